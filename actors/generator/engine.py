@@ -1,0 +1,102 @@
+"""The inference-engine interface every generator engine implements (torch, vLLM).
+
+An engine turns a batch of prompts into ``n`` completions each, with the behaviour
+logprob and weight version of every sampled token and, for MoE models, the experts each
+MoE layer routed every token the engine ran through the model to. New weights are staged
+with :meth:`Engine.stage_weights` at any time (from another thread or task) and swapped in
+between engine steps, so a sequence that spans a swap keeps generating and its per-token
+versions say which tokens came from which version.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """How to sample one batch."""
+
+    n: int = 1
+    """Samples per prompt."""
+    max_new_tokens: int = 32
+    """Upper bound on generated tokens per sample."""
+    temperature: float = 1.0
+    """Softmax temperature; logprobs are reported under the tempered distribution. 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off); logprobs are under the truncated, renormalised distribution."""
+    top_k: int = 0
+    """Top-k truncation (0 = off)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a sample (kept in the response, finish_reason 'stop')."""
+    seed: int | None = None
+    """Seed for reproducible sampling (None: engine's own stream)."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError("sampling.n must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError("sampling.max_new_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("sampling.temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("sampling.top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("sampling.top_k must be >= 0")
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sampled response (see :mod:`async_rl.wire_types` for the alignment conventions)."""
+
+    token_ids: np.ndarray
+    """int32 ``[R]``."""
+    logprobs: np.ndarray
+    """float32 ``[R]``: logprob of each sampled token under the distribution it was sampled from."""
+    versions: np.ndarray
+    """int32 ``[R]``: weight version that produced each token."""
+    finish_reason: str
+    """'stop' | 'length' | 'abort'."""
+    routes: np.ndarray | None = None
+    """uint8/int16 ``[T_run, moe_layers, top_k]`` for the prompt+response tokens the engine ran, or None."""
+
+
+class Engine(abc.ABC):
+    """An inference engine. Implementations: ``TorchEngine``, ``VLLMEngine``."""
+
+    name: str = "engine"
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Weight version currently in use (-1 before any weights were loaded from the learner)."""
+
+    @property
+    @abc.abstractmethod
+    def max_batch_prompts(self) -> int:
+        """How many prompts the engine can usefully batch at once (the generator's in-flight bound)."""
+
+    @abc.abstractmethod
+    async def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt, in prompt order."""
+
+    @abc.abstractmethod
+    def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Hand over a complete, verified weight version (Hugging Face names).
+
+        Thread-safe and non-blocking: the engine applies it between engine steps (a decode step
+        for the torch engine, with generation paused only for the copy). A newer staged
+        version replaces an older one that was not applied yet.
+        """
+
+    @abc.abstractmethod
+    async def wait_applied(self, version: int, timeout_s: float | None = None) -> bool:
+        """Wait until ``version`` (or newer) is in use; True if it is, False on timeout."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine's resources."""

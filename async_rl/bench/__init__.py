@@ -1,0 +1,1 @@
+"""Benchmarks behind ``async-rl bench ...``; each writes its results as JSON."""

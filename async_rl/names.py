@@ -1,0 +1,104 @@
+"""Every Redis key and NATS subject of a run, built in exactly one place.
+
+A run is identified by its ``prefix`` (default ``"async-rl"``). Tests give each test its
+own prefix so that nothing outside it is touched; :meth:`Names.all_key_pattern` matches
+every key of a run for clean-up.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """Key and subject names for one run."""
+
+    prefix: str = "async-rl"
+
+    def __post_init__(self) -> None:
+        if not _PREFIX_RE.match(self.prefix):
+            raise ValueError(f"run prefix {self.prefix!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+
+    # ---- Redis: data plane -------------------------------------------------------------
+    def key(self, *parts: str | int) -> str:
+        return ":".join([self.prefix, *(str(p) for p in parts)])
+
+    @property
+    def prompts_stream(self) -> str:
+        """Stream of prompt entries, read by generators through :attr:`prompts_group`."""
+        return self.key("prompts")
+
+    @property
+    def rollouts_stream(self) -> str:
+        """Stream of encoded group records, read by the learner through :attr:`rollouts_group`."""
+        return self.key("rollouts")
+
+    @property
+    def dead_letters_stream(self) -> str:
+        """Stream of entries that could not be decoded or validated, with their reason and source."""
+        return self.key("dead-letters")
+
+    prompts_group: str = "generators"
+    rollouts_group: str = "learner"
+
+    @property
+    def prompt_counters(self) -> str:
+        """Hash of prompt admission counters (issued, consumed)."""
+        return self.key("prompts", "counters")
+
+    @property
+    def rollout_counters(self) -> str:
+        """Hash of rollout counters (appended, consumed, dropped_stale, dead_letters)."""
+        return self.key("rollouts", "counters")
+
+    @property
+    def weights_latest(self) -> str:
+        """String key holding the newest complete weight version (an int)."""
+        return self.key("weights", "latest")
+
+    @property
+    def weights_versions(self) -> str:
+        """Sorted set of complete versions kept (score = version)."""
+        return self.key("weights", "versions")
+
+    def weights_manifest(self, version: int) -> str:
+        return self.key("weights", version, "manifest")
+
+    def weights_bucket(self, version: int, index: int) -> str:
+        return self.key("weights", version, "bucket", index)
+
+    @property
+    def learner_state(self) -> str:
+        """Hash the learner publishes about itself (version, step, started_at)."""
+        return self.key("learner", "state")
+
+    def all_key_pattern(self) -> str:
+        return f"{self.prefix}:*"
+
+    # ---- NATS: control plane -----------------------------------------------------------
+    def subject(self, *parts: str) -> str:
+        return ".".join([self.prefix.replace(".", "_"), *parts])
+
+    @property
+    def weights_subject(self) -> str:
+        """Announcements of newly complete weight versions."""
+        return self.subject("weights")
+
+    @property
+    def heartbeat_subject(self) -> str:
+        """Generator heartbeats (one subject; the payload names the generator)."""
+        return self.subject("heartbeat")
+
+    @property
+    def control_subject(self) -> str:
+        """Pause / resume / drain / stop commands addressed to generators."""
+        return self.subject("control")
+
+    @property
+    def learner_subject(self) -> str:
+        """Learner progress events (step metrics) for status views and the quickstart."""
+        return self.subject("learner")
