@@ -1,0 +1,117 @@
+"""Metrics sinks: wandb (online when a key is configured, offline otherwise, never a prompt)
+and a JSONL file beside the run, so every run keeps its numbers even without wandb."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """Where metrics go."""
+
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """auto: online when WANDB_API_KEY (or a wandb login) is present, offline otherwise."""
+    wandb_project: str = "async-rl"
+    """wandb project name."""
+    wandb_entity: str | None = None
+    """wandb entity (team or user); None for the default."""
+    run_name: str | None = None
+    """Run name shown in wandb (default: the run prefix)."""
+    jsonl: bool = True
+    """Also append every logged step to <run_dir>/metrics.jsonl."""
+
+
+def _wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path.home() / ".netrc"
+    try:
+        return netrc.is_file() and "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    if mode != "auto":
+        return mode
+    return "online" if _wandb_logged_in() else "offline"
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class MetricsLogger:
+    """Logs step metrics to wandb and a JSONL file."""
+
+    cfg: MetricsConfig
+    run_dir: Path
+    _run: Any
+    _jsonl: Any
+
+    def __init__(self, cfg: MetricsConfig, run_dir: Path, *, config: dict[str, Any], name: str) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self._run = None
+        self._jsonl = None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.jsonl:
+            self._jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        mode = resolve_wandb_mode(cfg.wandb_mode)
+        if mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            os.environ.setdefault("WANDB_CONSOLE", "off")
+            try:
+                import wandb
+
+                self._run = wandb.init(
+                    project=cfg.wandb_project, entity=cfg.wandb_entity, name=cfg.run_name or name, dir=str(run_dir),
+                    mode=mode, config=config, settings=wandb.Settings(console="off", silent=True),
+                )  # fmt: skip
+                log.info("wandb run %s (%s mode)", cfg.run_name or name, mode)
+            except Exception as exc:  # a metrics sink must never take training down
+                log.warning("wandb disabled: %s", exc)
+                self._run = None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        clean: dict[str, Any] = {}
+        for k, v in metrics.items():
+            if _finite(v):
+                clean[k] = v
+            elif isinstance(v, dict):  # histograms as {bucket: count}
+                clean[k] = v
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        if self._run is not None:
+            flat = {k: v for k, v in clean.items() if not isinstance(v, dict)}
+            for k, v in clean.items():
+                if isinstance(v, dict) and v:
+                    try:
+                        import wandb
+
+                        values = [float(b) for b, c in v.items() for _ in range(int(c))]
+                        flat[k] = wandb.Histogram(values) if values else None
+                    except Exception:  # noqa: S112 - histogram is best effort
+                        continue
+            self._run.log(flat, step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._run is not None:
+            try:
+                self._run.finish()
+            except Exception as exc:  # pragma: no cover
+                log.warning("wandb finish failed: %s", exc)
+            self._run = None
