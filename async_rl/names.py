@@ -71,6 +71,20 @@ class Names:
     def weights_bucket(self, version: int, index: int) -> str:
         return self.key("weights", version, "bucket", index)
 
+    def weights_readers(self, version: int) -> str:
+        """Sorted set of reader leases on a version (member = reader id, score = lease expiry in ms)."""
+        return self.key("weights", version, "readers")
+
+    @property
+    def weights_staging(self) -> str:
+        """Hash of versions being written (version -> bucket count), so a restarted publisher can clean them."""
+        return self.key("weights", "staging")
+
+    @property
+    def weights_retiring(self) -> str:
+        """Sorted set of pruned versions whose data waits for its reader leases to end (score = version)."""
+        return self.key("weights", "retiring")
+
     @property
     def learner_state(self) -> str:
         """Hash the learner publishes about itself (version, step, started_at)."""
