@@ -82,7 +82,7 @@ class Names:
 
     @property
     def weights_retiring(self) -> str:
-        """Sorted set of pruned versions whose data waits for its reader leases to end (score = version)."""
+        """Hash of pruned versions (version -> bucket count) whose data waits for its reader leases to end."""
         return self.key("weights", "retiring")
 
     @property
