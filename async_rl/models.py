@@ -1,0 +1,249 @@
+"""Model presets built offline, and loading of local Hugging Face model directories.
+
+Nothing here downloads anything. A *preset* is a small random-init transformers model
+(seeded, so every process that builds the same preset with the same seed gets the same
+weights) paired with the char-level tokenizer of :mod:`async_rl.tokenizer`:
+
+* ``tiny-moe``: Qwen3-MoE style, 2 layers, hidden 64, 4 experts, top-2 (about 230k
+  parameters); learns the ``copy`` task from scratch in minutes on a CPU.
+* ``tiny-dense``: the same shape with a dense MLP (Qwen3), for tests of dense paths.
+* ``small-moe``: 4 layers, hidden 128, 8 experts, top-2 (about 1.8M parameters).
+
+Anything else is a path to a local Hugging Face model directory (config, safetensors,
+tokenizer), loaded with ``local_files_only=True``. :func:`save_pretrained_dir` writes a
+preset as such a directory, so that vLLM and transformers can load it offline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+from async_rl import tokenizer as toy_tok
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Accepted ``dtype`` names."""
+
+
+def _common(**overrides: object) -> dict[str, object]:
+    base: dict[str, object] = dict(
+        vocab_size=toy_tok.VOCAB_SIZE,
+        pad_token_id=toy_tok.PAD_ID,
+        bos_token_id=toy_tok.BOS_ID,
+        eos_token_id=toy_tok.EOS_ID,
+        max_position_embeddings=toy_tok.MODEL_MAX_LENGTH,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        use_cache=True,
+    )
+    base.update(overrides)
+    return base
+
+
+def tiny_moe_config(**overrides: object) -> Qwen3MoeConfig:
+    """The quickstart model: Qwen3-MoE, 2 layers, hidden 64, 4 experts (top-2), char vocabulary."""
+    kw = _common(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        router_aux_loss_coef=0.0,
+    )
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
+def small_moe_config(**overrides: object) -> Qwen3MoeConfig:
+    """A bigger toy MoE (4 layers, hidden 128, 8 experts, top-2) for benchmarks and route tests."""
+    kw = _common(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        router_aux_loss_coef=0.0,
+    )
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
+def tiny_dense_config(**overrides: object) -> Qwen3Config:
+    """The dense twin of ``tiny-moe`` (Qwen3, 2 layers, hidden 64, MLP 256)."""
+    kw = _common(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+PRESETS: dict[str, Callable[..., PretrainedConfig]] = {
+    "tiny-moe": tiny_moe_config,
+    "tiny-dense": tiny_dense_config,
+    "small-moe": small_moe_config,
+}
+"""Preset name -> config factory."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Which model to run: a preset name or a local Hugging Face directory."""
+
+    name: str = "tiny-moe"
+    """A preset (``tiny-moe``, ``tiny-dense``, ``small-moe``) or the path of a local HF model directory."""
+    seed: int = 0
+    """Initialisation seed of a preset's random weights (ignored for directories)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("model.name must be a preset or a model directory")
+        if self.name not in PRESETS and not Path(self.name).is_dir():
+            raise ValueError(
+                f"model.name {self.name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def preset_config(name: str, **overrides: object) -> PretrainedConfig:
+    """The transformers config of preset ``name``."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name](**overrides)
+
+
+def build_model(
+    spec: str | PretrainedConfig, *, seed: int = 0, dtype: str | torch.dtype = "float32"
+) -> PreTrainedModel:
+    """A random-init causal LM for a preset name or a transformers config; same seed -> same weights.
+
+    The global torch RNG is left as it was.
+    """
+    config = preset_config(spec) if isinstance(spec, str) else spec
+    torch_dtype = _dtype(dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.to(torch_dtype)
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model.eval()
+
+
+def load_model(
+    path_or_preset: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> PreTrainedModel:
+    """A preset (random init with ``seed``) or a local HF model directory, in ``dtype`` on ``device``."""
+    name = str(path_or_preset)
+    if is_preset(name):
+        return build_model(name, seed=seed, dtype=dtype).to(device)
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a config.json"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), local_files_only=True, dtype=_dtype(dtype), attn_implementation="sdpa"
+    )
+    return model.to(device).eval()
+
+
+def load_model_config(path_or_preset: str | Path) -> PretrainedConfig:
+    """The transformers config of a preset or a local model directory (no weights loaded)."""
+    name = str(path_or_preset)
+    if is_preset(name):
+        return preset_config(name)
+    return AutoConfig.from_pretrained(name, local_files_only=True)
+
+
+def load_tokenizer(path_or_preset: str | Path) -> PreTrainedTokenizerBase:
+    """The toy tokenizer for presets; the directory's own tokenizer otherwise."""
+    name = str(path_or_preset)
+    if is_preset(name):
+        return toy_tok.build_tokenizer()
+    return AutoTokenizer.from_pretrained(name, local_files_only=True)
+
+
+def save_pretrained_dir(
+    path: str | Path,
+    model: PreTrainedModel | None = None,
+    *,
+    preset: str = "tiny-moe",
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write ``model`` (or preset ``preset`` built with ``seed``) as a self-contained HF directory.
+
+    The directory holds config.json, generation_config.json, model.safetensors and the
+    tokenizer files, and loads offline in transformers (:func:`load_model`) and vLLM.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        model = build_model(preset, seed=seed, dtype=dtype)
+    model.save_pretrained(str(path), safe_serialization=True)
+    toy_tok.save_tokenizer(path)
+    return path
+
+
+def num_moe_layers(config: PretrainedConfig) -> int:
+    """How many layers of a transformers config are MoE layers (0 for dense models)."""
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    if not num_experts:
+        return 0
+    sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
+    mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
+    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+    return sum(
+        1
+        for i in range(config.num_hidden_layers)
+        if i not in mlp_only and (i + 1) % sparse_step == 0 and i >= first_dense
+    )
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]

@@ -1,0 +1,87 @@
+"""Model presets, the offline tokenizer and self-contained HF directories."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from async_rl import tokenizer as toy_tok
+from async_rl.configurable import ConfigError, from_dict
+from async_rl.models import (
+    ModelConfig,
+    build_model,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    num_moe_layers,
+    save_pretrained_dir,
+    tiny_moe_config,
+)
+
+
+def test_tiny_moe_shape_and_size():
+    model = build_model("tiny-moe", seed=0)
+    cfg = model.config
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok) == (2, 64, 4, 2)
+    assert cfg.vocab_size == toy_tok.VOCAB_SIZE
+    num_params = sum(p.numel() for p in model.parameters())
+    assert 200_000 < num_params < 260_000, num_params
+    assert num_moe_layers(cfg) == 2
+    assert num_moe_layers(build_model("tiny-dense").config) == 0
+
+
+def test_build_is_seeded_and_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    a = build_model("tiny-moe", seed=7)
+    assert torch.equal(torch.rand(1), expected_next)
+    b = build_model("tiny-moe", seed=7)
+    c = build_model("tiny-moe", seed=8)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["model.layers.0.mlp.gate.weight"], sc["model.layers.0.mlp.gate.weight"])
+
+
+def test_save_dir_loads_offline_with_same_weights_and_logits(tmp_path):
+    model = build_model("tiny-moe", seed=3)
+    path = save_pretrained_dir(tmp_path / "m", model)
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (path / f).is_file(), f
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_moe"
+    loaded = load_model(path)
+    ids = torch.tensor([[toy_tok.BOS_ID, *toy_tok.encode("12345=")]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert load_model_config(path).num_experts == 4
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    assert tok.pad_token_id == toy_tok.PAD_ID and tok.eos_token_id == toy_tok.EOS_ID
+    assert tok("12+3=").input_ids == toy_tok.encode("12+3=")
+
+
+def test_tokenizer_roundtrip_and_errors():
+    tok = load_tokenizer("tiny-moe")
+    text = "987 + 12 = 999, <>*-"
+    ids = tok(text).input_ids
+    assert ids == toy_tok.encode(text)
+    assert tok.decode(ids) == text == toy_tok.decode(ids)
+    assert toy_tok.decode([toy_tok.BOS_ID, *toy_tok.encode("42"), toy_tok.EOS_ID]) == "42"
+    with pytest.raises(ValueError, match="outside the toy vocabulary"):
+        toy_tok.encode("12a")
+    with pytest.raises(ValueError, match="outside the toy vocabulary"):
+        toy_tok.decode([toy_tok.VOCAB_SIZE])
+
+
+def test_model_config_validation(tmp_path):
+    assert from_dict(ModelConfig, {"name": "tiny-dense", "dtype": "bfloat16"}).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="model.name"):
+        ModelConfig(name=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="model.dtype"):
+        from_dict(ModelConfig, {"dtype": "float8"})
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_model(tmp_path)
+    assert tiny_moe_config(num_experts=8).num_experts == 8
