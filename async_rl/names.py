@@ -42,6 +42,11 @@ class Names:
         """Stream of entries that could not be decoded or validated, with their reason and source."""
         return self.key("dead-letters")
 
+    @property
+    def rollout_acks_stream(self) -> str:
+        """Short stream the rollout reader appends to after each ack, waking producers held by back-pressure."""
+        return self.key("rollouts", "acks")
+
     prompts_group: str = "generators"
     rollouts_group: str = "learner"
 
