@@ -1,0 +1,263 @@
+"""The NATS control plane: typed msgpack messages and a small wrapper over nats-py.
+
+Every message is a dataclass with a ``kind`` literal; on the wire it is a msgpack map of its
+fields plus ``kind``. Subjects come from :class:`~async_rl.names.Names`: weight announcements on
+``weights_subject``, generator heartbeats on ``heartbeat_subject``, commands on
+``control_subject``, learner progress on ``learner_subject``. Core NATS (no JetStream): messages
+are hints and liveness signals, never the only copy of anything (the weight version of record is
+``weights:latest`` in Redis, which generators also poll).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+CONTROL_SCHEMA = 1
+
+
+class MessageError(ValueError):
+    """A control message that cannot be decoded (unknown kind, missing or mistyped field)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightsAnnounced:
+    """A weight version became complete and visible."""
+
+    kind: ClassVar[Literal["weights"]] = "weights"
+    version: int
+    """The new version."""
+    manifest_key: str
+    """Redis key of its manifest."""
+    total_bytes: int
+    """Bytes of all its buckets."""
+    num_buckets: int = 0
+    """Number of buckets."""
+    transport: str = "redis"
+    """Transport holding the bucket bytes."""
+    sent_at: float = field(default_factory=time.time)
+    """Unix time of the announcement."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Heartbeat:
+    """A generator is alive: what it runs and how fast."""
+
+    kind: ClassVar[Literal["heartbeat"]] = "heartbeat"
+    generator_id: str
+    """Unique id of the generator process."""
+    host: str = field(default_factory=socket.gethostname)
+    """Host name."""
+    pid: int = field(default_factory=os.getpid)
+    """Process id on that host."""
+    engine: str = ""
+    """Engine name ('torch', 'vllm')."""
+    version: int = -1
+    """Weight version in use."""
+    tokens_per_s: float = 0.0
+    """Generated tokens per second over the last heartbeat interval."""
+    in_flight: int = 0
+    """Prompts being generated."""
+    state: str = "running"
+    """'starting' | 'running' | 'paused' | 'draining' | 'stopping'."""
+    weight_failures: int = 0
+    """Weight versions refused so far (incomplete or corrupt)."""
+    started_at: float = 0.0
+    """Unix time the generator started."""
+    sent_at: float = field(default_factory=time.time)
+    """Unix time of this heartbeat."""
+
+
+ControlAction = Literal["pause", "resume", "drain", "stop"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Control:
+    """A command to generators: ``target`` is a generator id or '*' for all."""
+
+    kind: ClassVar[Literal["control"]] = "control"
+    action: str
+    """'pause' | 'resume' | 'drain' | 'stop'."""
+    target: str = "*"
+    """Generator id, or '*' for every generator."""
+    reason: str = ""
+    """Free text for logs."""
+    sent_at: float = field(default_factory=time.time)
+    """Unix time of the command."""
+
+    def __post_init__(self) -> None:
+        if self.action not in ("pause", "resume", "drain", "stop"):
+            raise MessageError(f"control.action must be one of pause/resume/drain/stop, got {self.action!r}")
+
+    def applies_to(self, generator_id: str) -> bool:
+        return self.target in ("*", generator_id)
+
+
+@dataclass(kw_only=True, slots=True)
+class LearnerProgress:
+    """The learner finished an optimizer step."""
+
+    kind: ClassVar[Literal["learner"]] = "learner"
+    step: int
+    """Optimizer steps so far."""
+    version: int
+    """Weight version after the step."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Scalar metrics of the step (reward, loss, staleness, ...)."""
+    sent_at: float = field(default_factory=time.time)
+    """Unix time of the event."""
+
+
+Message = WeightsAnnounced | Heartbeat | Control | LearnerProgress
+MESSAGE_TYPES: dict[str, type] = {cls.kind: cls for cls in (WeightsAnnounced, Heartbeat, Control, LearnerProgress)}
+_TYPES_OK: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (float, int),
+    "str": (str,),
+    "dict[str, float]": (dict,),
+}
+
+
+def encode(msg: Message) -> bytes:
+    d: dict[str, Any] = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    d["kind"] = msg.kind
+    d["schema"] = CONTROL_SCHEMA
+    return msgpack.packb(d)
+
+
+def decode(data: bytes) -> Message:
+    """Decode one message; raises :class:`MessageError` naming what is wrong."""
+    try:
+        d = msgpack.unpackb(data)
+    except (msgpack.UnpackException, ValueError) as exc:
+        raise MessageError(f"control message is not msgpack: {exc!r}") from exc
+    if not isinstance(d, dict):
+        raise MessageError(f"control message must be a map, got {type(d).__name__}")
+    kind = d.pop("kind", None)
+    d.pop("schema", None)
+    cls = MESSAGE_TYPES.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        raise MessageError(f"control message kind {kind!r} is not one of {sorted(MESSAGE_TYPES)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise MessageError(f"{kind} message has unknown field(s) {unknown}")
+    for name, value in d.items():
+        ok = _TYPES_OK.get(str(fields[name].type))
+        if ok is not None and (not isinstance(value, ok) or isinstance(value, bool)):
+            raise MessageError(f"{kind}.{name} must be {fields[name].type}, got {value!r}")
+    try:
+        return cls(**d)
+    except TypeError as exc:
+        raise MessageError(f"{kind} message: {exc}") from exc
+
+
+Handler = Callable[[Message], Awaitable[None]]
+
+
+@dataclass(kw_only=True, slots=True)
+class ControlPlaneConfig:
+    """How a process connects to NATS."""
+
+    connect_attempts: int = 10
+    """Connection attempts before giving up (with capped exponential backoff between them)."""
+    max_backoff_s: float = 5.0
+    """Cap of the backoff between connection attempts."""
+
+    def __post_init__(self) -> None:
+        if self.connect_attempts < 1:
+            raise ValueError("control.connect_attempts must be >= 1")
+        if self.max_backoff_s <= 0:
+            raise ValueError("control.max_backoff_s must be > 0")
+
+
+class ControlPlane:
+    """A NATS connection that publishes and subscribes to typed messages."""
+
+    url: str
+    name: str
+    cfg: ControlPlaneConfig
+    num_bad_messages: int
+    num_handler_errors: int
+    _nc: Any
+
+    def __init__(self, url: str, *, name: str = "async-rl", cfg: ControlPlaneConfig | None = None) -> None:
+        self.url = url
+        self.name = name
+        self.cfg = cfg or ControlPlaneConfig()
+        self.num_bad_messages = 0
+        self.num_handler_errors = 0
+        self._nc = None
+
+    async def connect(self) -> ControlPlane:
+        import nats
+
+        backoff_s = 0.1
+        for attempt in range(1, self.cfg.connect_attempts + 1):
+            try:
+                # Reconnects after a first success are nats-py's job (unbounded, buffered publishes).
+                self._nc = await nats.connect(
+                    self.url, name=self.name, connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True
+                )
+                return self
+            except Exception as exc:  # retry boundary: DNS, refused, timeout, TLS, auth ...
+                if attempt == self.cfg.connect_attempts:
+                    raise ConnectionError(f"cannot connect to NATS at {self.url}: {exc!r}") from exc
+                log.warning("NATS connect to %s failed (%r); retry %d in %.1fs", self.url, exc, attempt, backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, self.cfg.max_backoff_s)
+        raise AssertionError("unreachable")
+
+    @property
+    def nc(self) -> Any:
+        if self._nc is None:
+            raise RuntimeError("ControlPlane is not connected (call connect() first)")
+        return self._nc
+
+    async def publish(self, subject: str, msg: Message) -> None:
+        await self.nc.publish(subject, encode(msg))
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        await self.nc.flush(timeout=timeout_s)
+
+    async def subscribe(self, subject: str, handler: Handler, *, kinds: tuple[type, ...] | None = None) -> Any:
+        """Call ``handler`` for each decoded message (of ``kinds`` if given); returns the subscription."""
+
+        async def on_msg(raw: Any) -> None:
+            try:
+                msg = decode(raw.data)
+            except MessageError as exc:
+                self.num_bad_messages += 1
+                log.warning("dropped a bad control message on %s: %s", raw.subject, exc)
+                return
+            if kinds is not None and not isinstance(msg, kinds):
+                return
+            try:
+                await handler(msg)
+            except Exception:  # retry boundary: one bad message must not kill the subscription
+                self.num_handler_errors += 1
+                log.exception("control handler for %s failed on a %s message", subject, msg.kind)
+
+        return await self.nc.subscribe(subject, cb=on_msg)
+
+    async def close(self) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.drain()
+        self._nc = None
+
+    async def __aenter__(self) -> ControlPlane:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
