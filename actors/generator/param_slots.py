@@ -1,0 +1,85 @@
+"""Where each named weight tensor of a Hugging Face checkpoint goes inside a live transformers model.
+
+Weights arrive by Hugging Face name in one of two forms, and both are accepted:
+
+* the in-memory ``state_dict`` names of transformers 5 (fused expert tensors:
+  ``model.layers.0.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``...experts.down_proj`` ``[E, H, I]``);
+* the checkpoint names that ``save_pretrained`` writes and vLLM loads (one tensor per expert:
+  ``model.layers.0.mlp.experts.3.gate_proj.weight`` ``[I, H]``, ``up_proj``, ``down_proj``), which map onto
+  slices of the fused tensors (``gate_up_proj[e] = cat(gate_proj, up_proj)``).
+
+:class:`ParamSlots` maps every accepted name to a view of the model's parameter, checks a
+whole version for unknown names, wrong shapes, duplicates and missing coverage before any byte
+is copied, then copies.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+@dataclass(slots=True)
+class _Slot:
+    root: str
+    """Name of the model parameter this slot lives in."""
+    view: torch.Tensor
+    """The destination view."""
+
+
+class ParamSlots:
+    """Accepted weight names of one model instance -> destination views (see the module docstring)."""
+
+    slots: dict[str, _Slot]
+    root_numel: dict[str, int]
+
+    def __init__(self, model: nn.Module) -> None:
+        self.slots = {}
+        self.root_numel = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            data = tensor.data if isinstance(tensor, nn.Parameter) else tensor
+            self.root_numel[name] = data.numel()
+            self.slots[name] = _Slot(name, data)
+            m = _FUSED_EXPERTS.match(name)
+            if m is None or data.dim() != 3:
+                continue
+            prefix, kind = m["prefix"], m["kind"]
+            for e in range(data.shape[0]):
+                if kind == "down_proj":
+                    self.slots[f"{prefix}.{e}.down_proj.weight"] = _Slot(name, data[e])
+                else:
+                    half = data.shape[1] // 2
+                    self.slots[f"{prefix}.{e}.gate_proj.weight"] = _Slot(name, data[e, :half])
+                    self.slots[f"{prefix}.{e}.up_proj.weight"] = _Slot(name, data[e, half:])
+
+    def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """ValueError naming what is wrong unless ``tensors`` is exactly one complete set of weights."""
+        unknown = sorted(n for n in tensors if n not in self.slots)
+        if unknown:
+            raise ValueError(
+                f"unknown weight name(s) for this model: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+            )
+        covered = dict.fromkeys(self.root_numel, 0)
+        for name, t in tensors.items():
+            slot = self.slots[name]
+            if tuple(t.shape) != tuple(slot.view.shape):
+                raise ValueError(f"weight {name} has shape {tuple(t.shape)}, the model needs {tuple(slot.view.shape)}")
+            if t.dtype.is_floating_point != slot.view.dtype.is_floating_point:
+                raise ValueError(f"weight {name} has dtype {t.dtype}, the model holds {slot.view.dtype}")
+            covered[slot.root] += slot.view.numel()
+        wrong = sorted(n for n, c in covered.items() if c != self.root_numel[n])
+        if wrong:
+            detail = ", ".join(f"{n} ({covered[n]}/{self.root_numel[n]} elements)" for n in wrong[:5])
+            raise ValueError(f"incomplete or duplicated weights: {detail}{' ...' if len(wrong) > 5 else ''}")
+
+    @torch.no_grad()
+    def copy_(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy checked ``tensors`` into the model (dtype cast and device move included)."""
+        for name, t in tensors.items():
+            self.slots[name].view.copy_(t, non_blocking=True)

@@ -1,0 +1,482 @@
+"""The torch inference engine: Hugging Face causal LMs (dense and MoE) on CPU or one GPU.
+
+Batched sampling with a KV cache: prompts are left-padded (attention mask and position ids
+follow the padding), each prompt is expanded to ``n`` rows, and every step samples one token
+per live row from the tempered / top-k / top-p distribution; the reported logprob is the one
+under that exact (renormalised) distribution. Greedy (temperature 0) reports the untempered
+model logprob of the argmax token. Rows that finish stay in the batch until a quarter of it
+is done, then the batch and its KV cache are compacted.
+
+Routes: for MoE models every forward is recorded with :mod:`async_rl.hf_moe` hooks; a sample's
+routes cover its prompt tokens and every response token that was fed back (not the last one),
+padding excluded, as ``uint8`` (``int16`` past 256 experts) ``[T_run, moe_layers, top_k]``.
+
+Weight hot-swap: :meth:`TorchEngine.stage_weights` (any thread) checks the names and shapes,
+then a loader thread copies the tensors into a standby copy of the model while generation
+continues on the active one; at the next step boundary the two references are exchanged, so
+the pause (:attr:`TorchEngine.last_swap_pause_s`) is a pointer swap whatever the model size.
+The KV cache carries over, and the tokens sampled after the swap carry the new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from actors.generator.engine import Completion, Engine, SamplingParams
+from actors.generator.param_slots import ParamSlots
+from async_rl.hf_moe import RouteRecorder, find_moe_layers, route_dtype
+from async_rl.models import ModelConfig, load_model
+
+log = logging.getLogger(__name__)
+
+COMPACT_FRACTION = 0.25
+"""Compact the batch (and its KV cache) once this share of its rows has finished: a copy of the cache
+costs about one decode step, so compacting on every finished row would cost more than it saves."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TorchEngineConfig:
+    """The torch engine: which model, where, how big a batch."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model preset or local HF directory, init seed and dtype."""
+    device: str = "cpu"
+    """torch device: 'cpu', 'cuda' or 'cuda:N'."""
+    max_batch_prompts: int = 64
+    """Prompts the generator should hand over in one generate call (its in-flight bound)."""
+    max_batch_sequences: int = 512
+    """Rows (prompts x n) decoded together; larger calls run in consecutive chunks."""
+    seed: int = 0
+    """Seed of the engine's own sampling stream (used when SamplingParams.seed is None)."""
+    stop_on_eos: bool = True
+    """Also stop on the model's eos token(s), as vLLM does by default."""
+    num_threads: int = 0
+    """torch intra-op threads on CPU (0: leave torch's default)."""
+
+    def __post_init__(self) -> None:
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"engine.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.max_batch_prompts < 1:
+            raise ValueError("engine.max_batch_prompts must be >= 1")
+        if self.max_batch_sequences < 1:
+            raise ValueError("engine.max_batch_sequences must be >= 1")
+        if self.num_threads < 0:
+            raise ValueError("engine.num_threads must be >= 0")
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` ``[B, V]``; return ``(tokens [B] int64, logprobs [B] float32)``.
+
+    Order: temperature, top-k, top-p (as vLLM). The logprob is under the distribution actually
+    sampled from (tempered, truncated, renormalised); for greedy it is the untempered model logprob.
+    """
+    logits = logits.float()
+    if params.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= params.top_p  # the top token always has mass_before 0 and stays
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class TorchEngine(Engine):
+    """A transformers model with a KV-cached batched sampler and O(1) weight swaps (see the module docstring)."""
+
+    name = "torch"
+    config: TorchEngineConfig
+    device: torch.device
+    last_swap_pause_s: float
+    """Time generation stood still for the last swap (a reference exchange under a lock)."""
+    last_stage_error: str | None
+    """Why the last staged version could not be loaded (None when it loaded)."""
+    _active: PreTrainedModel
+    _standby: PreTrainedModel | None
+    _recorders: dict[int, RouteRecorder]
+    """One route recorder per model instance (active and standby), keyed by id()."""
+    _recording: set[int]
+    """Models whose recorder hooks are in place during the current generate call."""
+    _version: int
+    _ready_version: int | None
+    _pending: tuple[Mapping[str, torch.Tensor], int] | None
+    _busy: bool
+    _closed: bool
+    _waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]]
+    _swap_lock: threading.Lock
+    _gen_lock: threading.Lock
+    _stage_cond: threading.Condition
+    _loader: threading.Thread | None
+    _rng: torch.Generator
+    _stop_ids: tuple[int, ...]
+    _num_experts: int
+
+    def __init__(self, config: TorchEngineConfig, model: PreTrainedModel | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        cfg = config.model
+        self._active = (model if model is not None else load_model(cfg.name, seed=cfg.seed, dtype=cfg.dtype)).to(
+            self.device
+        )
+        self._active.eval()
+        self._slots_active = ParamSlots(self._active)
+        self._slots_standby: ParamSlots | None = None
+        self._standby = None
+        self._recorders = {}
+        self._recording = set()
+        moe = find_moe_layers(self._active)
+        self._num_experts = max((layer.num_experts for layer in moe), default=0)
+        self._route_layers = len(moe)
+        self._top_k = moe[0].top_k if moe else 0
+        self._version = -1
+        self._ready_version = None
+        self._pending = None
+        self._busy = False
+        self._closed = False
+        self._waiters = []
+        self._swap_lock = threading.Lock()
+        self._gen_lock = threading.Lock()
+        self._stage_cond = threading.Condition()
+        self._loader = None
+        self._rng = torch.Generator(device=self.device)
+        self._rng.manual_seed(config.seed)
+        eos = self._active.config.eos_token_id if config.stop_on_eos else None
+        self._stop_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        self._pad_id = int(self._active.config.pad_token_id or 0)
+        self._max_positions = int(getattr(self._active.config, "max_position_embeddings", 1 << 30))
+        self._vocab_size = int(self._active.config.vocab_size)
+        self.last_swap_pause_s = 0.0
+        self.last_stage_error = None
+
+    # ---------------------------------------------------------------- Engine interface
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_batch_prompts(self) -> int:
+        return self.config.max_batch_prompts
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The model generation runs on right now (do not run it while a generate call is in flight)."""
+        return self._active
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self._route_layers
+
+    async def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[list[Completion]]:
+        rows = self._check_prompts(prompts, params)
+        return await asyncio.to_thread(self._generate_sync, rows, len(prompts), params)
+
+    def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Check names/shapes now (ValueError), load in the background, swap at the next step boundary.
+
+        The engine keeps references to ``tensors`` until they are copied: do not modify them.
+        """
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if version <= self._version:
+            raise ValueError(f"staged version {version} is not newer than the version in use ({self._version})")
+        self._slots_active.check(tensors)
+        with self._stage_cond:
+            self._pending = (tensors, version)
+            self._stage_cond.notify()
+            if self._loader is None:
+                self._loader = threading.Thread(target=self._loader_main, name="torch-engine-loader", daemon=True)
+                self._loader.start()
+
+    async def wait_applied(self, version: int, timeout_s: float | None = None) -> bool:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        entry = (version, loop, fut)
+        with self._swap_lock:
+            if self._version >= version:
+                return True
+            self._waiters.append(entry)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            with self._swap_lock:
+                if entry in self._waiters:
+                    self._waiters.remove(entry)
+
+    async def close(self) -> None:
+        self._closed = True
+        with self._stage_cond:
+            self._pending = None
+            self._stage_cond.notify_all()
+        if self._loader is not None:
+            await asyncio.to_thread(self._loader.join)
+            self._loader = None
+
+    # ---------------------------------------------------------------- weight swap
+
+    def _loader_main(self) -> None:
+        while True:
+            with self._stage_cond:
+                while self._pending is None and not self._closed:
+                    self._stage_cond.wait()
+                if self._closed:
+                    return
+                tensors, version = self._pending  # type: ignore[misc]
+                self._pending = None
+            try:
+                self._load_standby(tensors, version)
+                self.last_stage_error = None
+            except Exception as exc:  # a bad version must not kill the loader; the old weights stay
+                self.last_stage_error = f"version {version}: {exc!r}"
+                log.exception("could not load staged weight version %d; keeping version %d", version, self._version)
+
+    def _load_standby(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        with self._swap_lock:
+            self._ready_version = None  # the standby is about to be overwritten; an unapplied version is dropped
+            standby, slots = self._standby, self._slots_standby
+        if standby is None:
+            standby = self._new_standby()
+            slots = ParamSlots(standby)
+        assert slots is not None
+        if self.device.type == "cuda":
+            stream = torch.cuda.Stream(device=self.device)
+            with torch.cuda.stream(stream):
+                slots.copy_(tensors)
+            stream.synchronize()
+        else:
+            slots.copy_(tensors)
+        with self._swap_lock:
+            self._standby, self._slots_standby = standby, slots
+            if version <= self._version:
+                return
+            self._ready_version = version
+            if not self._busy:
+                self._swap_locked()
+
+    def _new_standby(self) -> PreTrainedModel:
+        """A second instance of the model architecture (its initial values are overwritten by a full version)."""
+        cfg = self._active.config
+        dtype = next(self._active.parameters()).dtype
+        with torch.device(self.device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        return model.to(self.device).eval()
+
+    def _swap_locked(self) -> None:
+        """Exchange active and standby (caller holds ``_swap_lock`` and no forward is running)."""
+        t0 = time.perf_counter()
+        assert self._standby is not None and self._ready_version is not None and self._slots_standby is not None
+        self._active, self._standby = self._standby, self._active
+        self._slots_active, self._slots_standby = self._slots_standby, self._slots_active
+        self._version, self._ready_version = self._ready_version, None
+        self.last_swap_pause_s = time.perf_counter() - t0
+        done = [w for w in self._waiters if w[0] <= self._version]
+        for w in done:
+            self._waiters.remove(w)
+            try:
+                w[1].call_soon_threadsafe(_resolve, w[2])
+            except RuntimeError:  # the waiter's loop is closed
+                pass
+
+    def _step_model(self) -> tuple[PreTrainedModel, int]:
+        """The model and version for the next forward, after a swap if a staged version is ready."""
+        if self._ready_version is not None:
+            t0 = time.perf_counter()
+            with self._swap_lock:
+                if self._ready_version is not None:
+                    self._swap_locked()
+                    self.last_swap_pause_s = time.perf_counter() - t0
+        return self._active, self._version
+
+    # ---------------------------------------------------------------- generation
+
+    def _check_prompts(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[np.ndarray]:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        rows = []
+        for i, p in enumerate(prompts):
+            arr = np.asarray(p)
+            if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"prompts[{i}] must be a non-empty 1-D integer array, got {arr.dtype} {arr.shape}")
+            if int(arr.min()) < 0 or int(arr.max()) >= self._vocab_size:
+                raise ValueError(f"prompts[{i}] has token ids outside [0, {self._vocab_size})")
+            if arr.size >= self._max_positions:
+                raise ValueError(f"prompts[{i}] has {arr.size} tokens, the model holds {self._max_positions}")
+            rows.extend([arr.astype(np.int64)] * params.n)
+        return rows
+
+    def _generate_sync(
+        self, rows: list[np.ndarray], num_prompts: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        rng = self._rng
+        if params.seed is not None:
+            rng = torch.Generator(device=self.device)
+            rng.manual_seed(params.seed)
+        flat: list[Completion] = []
+        with self._gen_lock, torch.inference_mode(), ExitStack() as stack:
+            with self._swap_lock:
+                self._busy = True
+            try:
+                self._recording = set()
+                step = self.config.max_batch_sequences
+                for start in range(0, len(rows), step):
+                    flat.extend(self._generate_batch(rows[start : start + step], params, rng, stack))
+            finally:
+                with self._swap_lock:
+                    self._busy = False
+                    if self._ready_version is not None:
+                        self._swap_locked()
+        return [flat[i * params.n : (i + 1) * params.n] for i in range(num_prompts)]
+
+    def _routes_of(self, model: PreTrainedModel) -> torch.Tensor:
+        """The routes ``[B, S, L, K]`` of the forward ``model`` just ran."""
+        forwards = self._recorders[id(model)].take()
+        assert len(forwards) == 1, f"expected one recorded forward, got {len(forwards)}"
+        return forwards[0]
+
+    def _generate_batch(
+        self, prompts: list[np.ndarray], params: SamplingParams, rng: torch.Generator, stack: ExitStack
+    ) -> list[Completion]:
+        dev = self.device
+        num_rows = len(prompts)
+        lens = torch.tensor([p.size for p in prompts])
+        width = int(lens.max())
+        budgets = torch.clamp(self._max_positions - lens, max=params.max_new_tokens).to(dev)
+        max_new = int(budgets.max())
+        ids = torch.full((num_rows, width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((num_rows, width), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, width - p.size :] = torch.from_numpy(p)
+            mask[b, width - p.size :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop = torch.tensor(sorted({*params.stop_token_ids, *self._stop_ids}), dtype=torch.long, device=dev)
+
+        out_tokens = torch.full((num_rows, max_new), self._pad_id, dtype=torch.long, device=dev)
+        out_logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=dev)
+        out_versions = torch.zeros((num_rows, max_new), dtype=torch.int32, device=dev)
+        out_len = torch.zeros(num_rows, dtype=torch.long, device=dev)
+        stopped = torch.zeros(num_rows, dtype=torch.bool, device=dev)
+        routes = self._route_layers > 0
+        if routes:
+            rdt = torch.uint8 if self._num_experts <= 256 else torch.int16
+            resp_routes = torch.zeros((num_rows, max_new, self._route_layers, self._top_k), dtype=rdt, device=dev)
+
+        model, version = self._step_model()
+        self._ensure_recorder(model, stack)
+        cache = DynamicCache(config=model.config)
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+            logits_to_keep=1,
+        )  # fmt: skip
+        if routes:
+            prompt_routes = self._routes_of(model).to(rdt)
+        logits = out.logits[:, -1]
+        live = torch.arange(num_rows, device=dev)  # original row of each batch row
+        alive = torch.ones(num_rows, dtype=torch.bool, device=dev)
+        last_pos = positions[:, -1]
+        for step in range(max_new):
+            tokens, logprobs = sample_tokens(logits, params, rng)
+            rows_alive = live[alive]
+            out_tokens[rows_alive, step] = tokens[alive]
+            out_logprobs[rows_alive, step] = logprobs[alive]
+            out_versions[rows_alive, step] = version
+            out_len[rows_alive] = step + 1
+            hit_stop = torch.isin(tokens, stop) & alive
+            stopped[live[hit_stop]] = True
+            alive = alive & ~hit_stop & (step + 1 < budgets[live])
+            if step + 1 == max_new or self._closed or not bool(alive.any()):
+                break
+            if float((~alive).sum()) >= COMPACT_FRACTION * alive.numel():
+                keep = alive.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                live, mask, tokens, last_pos = live[keep], mask[keep], tokens[keep], last_pos[keep]
+                alive = alive[keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            last_pos = last_pos + 1
+            model, version = self._step_model()
+            self._ensure_recorder(model, stack)
+            out = model(
+                input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None], past_key_values=cache,
+                use_cache=True,
+            )  # fmt: skip
+            logits = out.logits[:, -1]
+            if routes:
+                # These routes belong to response token `step` of each row just fed back.
+                step_routes = self._routes_of(model)[:, 0].to(rdt)
+                resp_routes[live[alive], step] = step_routes[alive]
+
+        finished_by_close = self._closed
+        tokens_np = out_tokens.cpu().numpy().astype(np.int32)
+        logprobs_np = out_logprobs.cpu().numpy()
+        versions_np = out_versions.cpu().numpy()
+        len_np = out_len.cpu().numpy()
+        stopped_np = stopped.cpu().numpy()
+        if routes:
+            prompt_routes_np = prompt_routes.cpu().numpy()
+            resp_routes_np = resp_routes.cpu().numpy()
+        result = []
+        for b, p in enumerate(prompts):
+            n = int(len_np[b])
+            if stopped_np[b]:
+                reason = "stop"
+            elif n >= int(budgets[b]):
+                reason = "length"
+            else:
+                reason = "abort" if finished_by_close else "length"
+            r = None
+            if routes:
+                r = np.concatenate([prompt_routes_np[b, width - p.size :], resp_routes_np[b, : n - 1]], axis=0)
+                r = r.astype(route_dtype(self._num_experts), copy=False)
+            result.append(
+                Completion(
+                    token_ids=tokens_np[b, :n].copy(),
+                    logprobs=logprobs_np[b, :n].copy(),
+                    versions=versions_np[b, :n].copy(),
+                    finish_reason=reason,
+                    routes=r,
+                )  # fmt: skip
+            )
+        return result
+
+    def _ensure_recorder(self, model: PreTrainedModel, stack: ExitStack) -> None:
+        """Make ``model`` record routes for the rest of this call (its hooks go away when ``stack`` closes)."""
+        if not self._route_layers or id(model) in self._recording:
+            return
+        rec = self._recorders.get(id(model))
+        if rec is None:
+            rec = self._recorders[id(model)] = RouteRecorder(model)
+        stack.enter_context(rec)
+        rec.take()
+        self._recording.add(id(model))
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
