@@ -1,0 +1,273 @@
+"""Generator-side weight sync: load the newest version first, then follow new ones in the background.
+
+:meth:`WeightSync.start` fetches the newest complete version (waiting for the first publish if
+there is none yet), hands it to the engine and waits until the engine applied it, so that the
+generator's first token comes from learner weights. Afterwards two named tasks run beside the
+generator loop: one follows ``weights:latest`` (woken by NATS announcements, with a periodic
+poll of the key as a fallback when a message is missed), one fetches the wanted version in the
+background, verifies every bucket and calls :meth:`Engine.stage_weights`; the engine keeps
+generating meanwhile and stops only for its swap. A version that is corrupt (checksum or size
+mismatch, bad manifest) or that the engine refuses is never applied: it is logged, counted and
+not retried; the engine keeps its last good weights. A version that vanished (pruned while we
+were behind) is skipped for the newer one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from actors.generator.engine import Engine
+from async_rl.control import ControlPlane, Message, WeightsAnnounced
+from async_rl.names import Names
+from async_rl.transport import TransportError
+from async_rl.weights import CorruptVersion, FetchedVersion, ReaderConfig, VersionUnavailable, WeightReader
+from async_rl.weights.reader import WeightsError
+
+log = logging.getLogger(__name__)
+
+# Errors that may pass on their own (server restart, network blip): retried with capped backoff.
+TRANSIENT_ERRORS = (RedisError, TransportError, OSError, asyncio.TimeoutError)
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    """How a generator follows the learner's weight versions."""
+
+    poll_interval_s: float = 2.0
+    """Fallback poll of the latest-version key (NATS announcements normally arrive first)."""
+    first_version_timeout_s: float = 600.0
+    """How long start() waits for the learner's first version; 0 starts on the engine's own weights."""
+    apply_timeout_s: float = 120.0
+    """How long start() waits for the engine to apply the first version."""
+    max_backoff_s: float = 10.0
+    """Cap of the backoff between retries after a transient fetch error."""
+    max_retries: int = 8
+    """Transient failures on one version before it is given up (a newer version is still taken)."""
+    reader: ReaderConfig = field(default_factory=ReaderConfig)
+    """Lease and prefetch settings of the reader."""
+
+    def __post_init__(self) -> None:
+        if self.poll_interval_s <= 0:
+            raise ValueError("generator.weight_sync.poll_interval_s must be > 0")
+        if self.first_version_timeout_s < 0:
+            raise ValueError("generator.weight_sync.first_version_timeout_s must be >= 0")
+        if self.apply_timeout_s <= 0:
+            raise ValueError("generator.weight_sync.apply_timeout_s must be > 0")
+        if self.max_backoff_s <= 0:
+            raise ValueError("generator.weight_sync.max_backoff_s must be > 0")
+        if self.max_retries < 1:
+            raise ValueError("generator.weight_sync.max_retries must be >= 1")
+
+
+class WeightSync:
+    """Keeps an engine on the newest good weight version (see the module docstring)."""
+
+    engine: Engine
+    reader: WeightReader
+    control: ControlPlane | None
+    names: Names
+    cfg: WeightSyncConfig
+    staged_version: int
+    """Newest version handed to the engine (-1: none)."""
+    wanted_version: int
+    """Newest version known to exist."""
+    num_staged: int
+    num_refused: int
+    """Versions refused as corrupt or rejected by the engine."""
+    num_unavailable: int
+    """Versions that vanished or were incomplete when fetched."""
+    num_transient_errors: int
+    refused: set[int]
+    last_fetch: FetchedVersion | None
+    last_error: str
+    _wake: asyncio.Event
+    _stop: asyncio.Event
+    _progress: asyncio.Condition
+    _tasks: list[asyncio.Task]
+    _sub: Any
+
+    def __init__(
+        self,
+        engine: Engine,
+        reader: WeightReader,
+        names: Names,
+        cfg: WeightSyncConfig | None = None,
+        control: ControlPlane | None = None,
+    ) -> None:
+        self.engine = engine
+        self.reader = reader
+        self.names = names
+        self.cfg = cfg or WeightSyncConfig()
+        self.control = control
+        self.staged_version = -1
+        self.wanted_version = -1
+        self.num_staged = self.num_refused = self.num_unavailable = self.num_transient_errors = 0
+        self.refused = set()
+        self.last_fetch = None
+        self.last_error = ""
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._progress = asyncio.Condition()
+        self._tasks = []
+        self._sub = None
+
+    @property
+    def num_failures(self) -> int:
+        return self.num_refused + self.num_unavailable
+
+    def _want(self, version: int) -> None:
+        if version > self.wanted_version:
+            self.wanted_version = version
+            self._wake.set()
+
+    async def _on_announcement(self, msg: Message) -> None:
+        assert isinstance(msg, WeightsAnnounced)
+        self._want(msg.version)
+
+    async def _refresh_latest(self) -> None:
+        latest = await self.reader.latest_version()
+        if latest is not None:
+            self._want(latest)
+
+    async def _wait(self, event: asyncio.Event, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
+        return event.is_set()
+
+    async def start(self) -> None:
+        """Subscribe, load the newest version into the engine (waiting until applied), start the tasks."""
+        if self.control is not None:
+            self._sub = await self.control.subscribe(
+                self.names.weights_subject, self._on_announcement, kinds=(WeightsAnnounced,)
+            )
+        if self.cfg.first_version_timeout_s > 0:
+            await self._load_first()
+        self._tasks = [
+            asyncio.create_task(self._poll_loop(), name="weights-poll"),
+            asyncio.create_task(self._fetch_loop(), name="weights-fetch"),
+        ]
+
+    async def _load_first(self) -> None:
+        deadline = time.monotonic() + self.cfg.first_version_timeout_s
+        while self.staged_version < 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"no usable weight version appeared within {self.cfg.first_version_timeout_s}s "
+                    f"(latest {self.wanted_version}, refused {sorted(self.refused)}; is the learner running?)"
+                )
+            try:
+                await self._refresh_latest()
+            except TRANSIENT_ERRORS as exc:
+                log.warning("reading the latest weight version failed: %r", exc)
+            target = self.wanted_version
+            if target >= 0 and target not in self.refused:
+                await self._sync_to(target)
+                continue
+            self._wake.clear()
+            await self._wait(self._wake, min(self.cfg.poll_interval_s, max(left, 0.001)))
+        if not await self.engine.wait_applied(self.staged_version, self.cfg.apply_timeout_s):
+            raise TimeoutError(
+                f"the engine did not apply weights version {self.staged_version} within {self.cfg.apply_timeout_s}s"
+            )
+        log.info("engine is on weights version %d", self.staged_version)
+
+    async def _sync_to(self, target: int) -> bool:
+        """Fetch, verify and stage ``target``; True when staged. Transient errors are retried here."""
+        try:
+            return await self._try_sync_to(target)
+        finally:
+            async with self._progress:
+                self._progress.notify_all()
+
+    async def _try_sync_to(self, target: int) -> bool:
+        backoff_s = 0.1
+        for attempt in range(1, self.cfg.max_retries + 1):
+            try:
+                fetched = await self.reader.fetch(target)
+                self.engine.stage_weights(fetched.tensors, fetched.version)
+            except VersionUnavailable as exc:
+                self.num_unavailable += 1
+                self.last_error = str(exc)
+                log.warning("weights version %d skipped: %s", target, exc)
+                self.refused.add(target)  # it will not come back; a newer one will be announced
+                await self._refresh_latest()
+                return False
+            except (CorruptVersion, ValueError) as exc:
+                self.num_refused += 1
+                self.refused.add(target)
+                self.last_error = str(exc)
+                log.error("weights version %d refused, keeping version %d: %s", target, self.staged_version, exc)
+                return False
+            except (*TRANSIENT_ERRORS, WeightsError) as exc:
+                self.num_transient_errors += 1
+                self.last_error = repr(exc)
+                if attempt == self.cfg.max_retries:
+                    log.error("weights version %d given up after %d attempts: %r", target, attempt, exc)
+                    self.refused.add(target)
+                    return False
+                log.warning("fetching weights version %d failed (%r); retry in %.1fs", target, exc, backoff_s)
+                if await self._wait(self._stop, backoff_s):
+                    return False
+                backoff_s = min(backoff_s * 2, self.cfg.max_backoff_s)
+                continue
+            self.staged_version = fetched.version
+            self.last_fetch = fetched
+            self.num_staged += 1
+            log.info(
+                "staged weights v%d: %.1f MB in %.2fs (%.2f GB/s; transfer %.2fs, verify %.2fs)",
+                fetched.version, fetched.manifest.total_bytes / 1e6, fetched.total_s, fetched.gbps,
+                fetched.transfer_s, fetched.verify_s,
+            )  # fmt: skip
+            return True
+        return False
+
+    async def _poll_loop(self) -> None:
+        backoff_s = self.cfg.poll_interval_s
+        while not await self._wait(self._stop, backoff_s):
+            try:
+                await self._refresh_latest()
+                backoff_s = self.cfg.poll_interval_s
+            except TRANSIENT_ERRORS as exc:
+                backoff_s = min(backoff_s * 2, max(self.cfg.max_backoff_s, self.cfg.poll_interval_s))
+                log.warning("polling the latest weight version failed (%r); next try in %.1fs", exc, backoff_s)
+
+    async def _fetch_loop(self) -> None:
+        while not self._stop.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            target = self.wanted_version
+            if target > self.staged_version and target not in self.refused:
+                await self._sync_to(target)
+
+    async def wait_staged(self, version: int, timeout_s: float) -> bool:
+        """Wait until ``version`` (or newer) was staged, or refused; True when staged (for tests, benches)."""
+        async with self._progress:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._progress.wait_for(lambda: self.staged_version >= version or version in self.refused),
+                    timeout_s,
+                )
+        return self.staged_version >= version
+
+    async def close(self) -> None:
+        """Stop the tasks (an in-flight fetch is cancelled; its lease is released) and unsubscribe."""
+        self._stop.set()
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._sub is not None:
+            with contextlib.suppress(Exception):  # the connection may be draining already
+                await self._sub.unsubscribe()
+            self._sub = None

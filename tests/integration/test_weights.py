@@ -1,0 +1,234 @@
+"""Publisher and reader against real servers: round trips, atomic visibility, corruption, pruning, leases."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+import time
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from async_rl.control import ControlPlane, WeightsAnnounced
+from async_rl.names import Names
+from async_rl.servers import ServerSet
+from async_rl.transport import BucketTransport, RedisTransport, SharedMemoryTransport
+from async_rl.weights import (
+    DTYPES,
+    CorruptVersion,
+    PublisherConfig,
+    VersionUnavailable,
+    WeightPublisher,
+    WeightReader,
+)
+
+
+def _model(seed: int, scale: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for i, (name, dt) in enumerate(DTYPES.items()):
+        shape = (4 * scale, 33 + i)
+        if dt == torch.bool:
+            out[f"layer.{name}"] = torch.randint(0, 2, shape, generator=g).bool()
+        elif dt.is_floating_point:
+            out[f"layer.{name}"] = (torch.randn(shape, generator=g) * 3).to(dt)
+        else:
+            out[f"layer.{name}"] = torch.randint(-100, 100, shape, generator=g).to(dt)
+    out["big.bf16"] = torch.randn(64, 512 * scale, generator=g).to(torch.bfloat16)  # 64 KiB: larger than a bucket
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )
+
+
+@pytest.fixture(params=["redis", "shm"])
+async def transport(request: pytest.FixtureRequest, servers: ServerSet, names: Names):  # type: ignore[no-untyped-def]
+    t: BucketTransport
+    if request.param == "redis":
+        t = RedisTransport(servers.redis_url, names)
+    else:
+        t = SharedMemoryTransport(names)
+    yield t
+    for v in range(16):
+        await t.delete(v, 64)
+    await t.close()
+
+
+async def test_round_trip_every_dtype(redis_client: aioredis.Redis, names: Names, transport: BucketTransport) -> None:
+    pub = WeightPublisher(redis_client, transport, names, PublisherConfig(bucket_bytes=2 << 10))
+    model = _model(0)
+    m = await pub.publish(model, 0)
+    assert m.num_buckets >= 3 and m.transport == transport.name and m.checksum == "xxh3_64"
+    assert m.total_bytes >= sum(t.numel() * t.element_size() for t in model.values())
+    big = next(t for t in m.tensors if t.name == "big.bf16")
+    assert big.offset == 0 and m.buckets[big.bucket].nbytes == big.nbytes  # alone in its bucket
+    reader = WeightReader(redis_client, transport, names)
+    assert await reader.latest_version() == 0
+    got = await reader.fetch()
+    assert got.version == 0 and _same(got.tensors, model)
+    assert list(got.tensors) == list(model)  # publication order kept
+    assert got.tensors["big.bf16"].dtype == torch.bfloat16
+    # the lease is released after the read
+    assert await redis_client.zcard(names.weights_readers(0)) == 0
+
+
+async def test_version_must_increase(redis_client: aioredis.Redis, names: Names, servers: ServerSet) -> None:
+    pub = WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names)
+    await pub.publish({"w": torch.ones(3)}, 5)
+    with pytest.raises(ValueError, match="version 5 is not newer than the latest published version 5"):
+        await pub.publish({"w": torch.ones(3)}, 5)
+    with pytest.raises(ValueError, match="nothing to publish"):
+        await pub.publish({}, 6)
+
+
+async def test_corrupt_bucket_is_refused(redis_client: aioredis.Redis, names: Names, servers: ServerSet) -> None:
+    transport = RedisTransport(servers.redis_url, names)
+    pub = WeightPublisher(redis_client, transport, names, PublisherConfig(bucket_bytes=16 << 10))
+    reader = WeightReader(redis_client, transport, names)
+    await pub.publish(_model(0), 0)
+    m1 = await pub.publish(_model(1), 1)
+    key = names.weights_bucket(1, m1.num_buckets - 1)
+    raw = bytearray(await redis_client.get(key))
+    raw[len(raw) // 2] ^= 0x40  # one flipped bit
+    await redis_client.set(key, bytes(raw))
+    with pytest.raises(CorruptVersion, match=r"bucket \d+: xxh3_64"):
+        await reader.fetch(1)
+    await redis_client.set(key, bytes(raw[:-8]))  # truncated
+    with pytest.raises(CorruptVersion, match="bytes, manifest says"):
+        await reader.fetch(1)
+    await redis_client.set(names.weights_manifest(1), b"\x93garbage")
+    with pytest.raises(CorruptVersion, match="malformed"):
+        await reader.fetch(1)
+    assert _same((await reader.fetch(0)).tensors, _model(0))  # the previous version is intact
+    assert await redis_client.zcard(names.weights_readers(1)) == 0  # failed reads release their lease
+
+
+_KILLED_PUBLISHER = textwrap.dedent(
+    """
+    import asyncio, sys, torch, redis.asyncio as aioredis
+    from async_rl.names import Names
+    from async_rl.transport import RedisTransport
+    from async_rl.weights import PublisherConfig, WeightPublisher
+
+    async def main():
+        url, prefix = sys.argv[1], sys.argv[2]
+        names = Names(prefix)
+        r = aioredis.Redis.from_url(url)
+        pub = WeightPublisher(r, RedisTransport(url, names), names, PublisherConfig(bucket_bytes=1 << 20))
+        await pub.publish({"w": torch.zeros(1000)}, 0)
+        model = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(200)}  # 200 MiB in 1 MiB buckets
+        print("v0", flush=True)
+        await pub.publish(model, 1)
+        print("v1 complete", flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_killed_publisher_leaves_an_invisible_version_that_is_cleaned(
+    redis_client: aioredis.Redis, names: Names, servers: ServerSet
+) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _KILLED_PUBLISHER, servers.redis_url, names.prefix, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"v0"
+        deadline = time.monotonic() + 30
+        while await redis_client.exists(names.weights_bucket(1, 3)) == 0:  # a few buckets of v1 are written
+            assert time.monotonic() < deadline and proc.returncode is None, "publisher finished before it was killed"
+            await asyncio.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        await asyncio.wait_for(proc.wait(), 10)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    transport = RedisTransport(servers.redis_url, names)
+    reader = WeightReader(redis_client, transport, names)
+    assert await reader.latest_version() == 0
+    assert [int(v) for v in await redis_client.zrange(names.weights_versions, 0, -1)] == [0]
+    with pytest.raises(VersionUnavailable, match="version 1 is not available"):
+        await reader.fetch(1)
+    assert await redis_client.hget(names.weights_staging, "1") == b"200"
+    # A restarted publisher deletes the half-written buckets before publishing.
+    pub = WeightPublisher(redis_client, transport, names)
+    assert await pub.clean_staging() == [1]
+    assert await redis_client.exists(names.weights_bucket(1, 0), names.weights_bucket(1, 3)) == 0
+    assert await redis_client.hlen(names.weights_staging) == 0
+    await pub.publish({"w": torch.ones(1000)}, 1)
+    assert torch.equal((await reader.fetch()).tensors["w"], torch.ones(1000))
+
+
+async def test_keep_last_n_and_leases_protect_readers(
+    redis_client: aioredis.Redis, names: Names, transport: BucketTransport
+) -> None:
+    pub = WeightPublisher(redis_client, transport, names, PublisherConfig(bucket_bytes=16 << 10, keep_versions=2))
+    reader = WeightReader(redis_client, transport, names)
+    slow = WeightReader(redis_client, transport, names, reader_id="slow-reader")
+    await pub.publish(_model(0), 0)
+    m1 = await pub.publish(_model(1), 1)
+    assert await slow._lease(1)  # a slow reader is in the middle of version 1
+    for v in range(2, 5):
+        await pub.publish(_model(v), v)
+    assert [int(v) for v in await redis_client.zrange(names.weights_versions, 0, -1)] == [3, 4]
+    assert await redis_client.get(names.weights_latest) == b"4"
+    # v0 and v2: deleted everywhere; v1: hidden, but its data stays while the lease lives.
+    for gone in (0, 2):
+        assert await redis_client.exists(names.weights_manifest(gone)) == 0
+        with pytest.raises(VersionUnavailable):
+            await reader.fetch(gone)
+        if isinstance(transport, RedisTransport):
+            assert await redis_client.exists(names.weights_bucket(gone, 0)) == 0
+    assert _same((await slow.fetch(1)).tensors, _model(1))  # still readable (fetch renews, then releases)
+    assert await redis_client.hget(names.weights_retiring, "1") == str(m1.num_buckets).encode()
+    await pub.prune()  # no lease any more: now it goes
+    assert await redis_client.hlen(names.weights_retiring) == 0
+    with pytest.raises(VersionUnavailable):
+        await reader.fetch(1)
+    assert _same((await reader.fetch(3)).tensors, _model(3))
+    assert _same((await reader.fetch(4)).tensors, _model(4))
+
+
+async def test_expired_lease_does_not_block_pruning(
+    redis_client: aioredis.Redis, names: Names, servers: ServerSet
+) -> None:
+    from async_rl.weights import ReaderConfig
+
+    transport = RedisTransport(servers.redis_url, names)
+    pub = WeightPublisher(redis_client, transport, names, PublisherConfig(keep_versions=1))
+    crashed = WeightReader(redis_client, transport, names, ReaderConfig(lease_ttl_s=0.2), reader_id="crashed")
+    await pub.publish({"w": torch.zeros(10)}, 0)
+    assert await crashed._lease(0)  # then the reader dies without releasing
+    await pub.publish({"w": torch.ones(10)}, 1)
+    assert await redis_client.exists(names.weights_manifest(0)) == 1
+    await asyncio.sleep(0.3)
+    assert await pub.prune() == [0]
+    assert await redis_client.exists(names.weights_manifest(0), names.weights_bucket(0, 0)) == 0
+
+
+async def test_publish_announces_on_nats(redis_client: aioredis.Redis, names: Names, servers: ServerSet) -> None:
+    got: asyncio.Queue[WeightsAnnounced] = asyncio.Queue()
+
+    async def on_msg(msg) -> None:  # type: ignore[no-untyped-def]
+        await got.put(msg)
+
+    async with ControlPlane(servers.nats_url) as sub_side, ControlPlane(servers.nats_url) as pub_side:
+        await sub_side.subscribe(names.weights_subject, on_msg)
+        await sub_side.flush()
+        pub = WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names, control=pub_side)
+        m = await pub.publish(_model(3), 3)
+        msg = await asyncio.wait_for(got.get(), 5)
+    assert isinstance(msg, WeightsAnnounced)
+    assert (msg.version, msg.manifest_key, msg.total_bytes) == (3, names.weights_manifest(3), m.total_bytes)
+    assert msg.num_buckets == m.num_buckets and msg.transport == "redis"

@@ -1,0 +1,144 @@
+"""Bucket planning, packing, tensor views and manifest encoding (no servers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from async_rl.weights.manifest import (
+    ALIGN_BYTES,
+    CHECKSUMS,
+    DTYPES,
+    BucketEntry,
+    Manifest,
+    ManifestError,
+    pack_bucket,
+    plan_buckets,
+    view_tensor,
+)
+from async_rl.weights.publisher import PublisherConfig
+from async_rl.weights.reader import ReaderConfig
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def _all_dtypes() -> dict[str, torch.Tensor]:
+    return {f"t.{name}": _random(dt, (3, 5), i) for i, (name, dt) in enumerate(DTYPES.items())}
+
+
+def test_plan_packs_in_order_aligned_and_gives_big_tensors_their_own_bucket() -> None:
+    tensors = {
+        "a": torch.zeros(10, dtype=torch.float32),  # 40 B
+        "b": torch.zeros(3, dtype=torch.bfloat16),  # 6 B -> offset 64
+        "big": torch.zeros(1000, dtype=torch.float32),  # 4000 B > bucket: alone
+        "c": torch.zeros(100, dtype=torch.int64),  # 800 B
+        "d": torch.zeros(50, dtype=torch.int8),  # 50 B: fits after c
+    }
+    entries, sizes = plan_buckets(tensors, bucket_bytes=1024)
+    placed = {e.name: (e.bucket, e.offset, e.nbytes) for e in entries}
+    assert placed == {"a": (0, 0, 40), "b": (0, 64, 6), "big": (1, 0, 4000), "c": (2, 0, 800), "d": (2, 832, 50)}
+    assert sizes == [70, 4000, 882]
+    assert all(e.offset % ALIGN_BYTES == 0 for e in entries)
+
+
+def test_plan_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets({"a": torch.zeros(1)}, 0)
+    with pytest.raises(TypeError, match="'a'"):
+        plan_buckets({"a": [1, 2]}, 100)  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        plan_buckets({"c": torch.zeros(2, dtype=torch.complex64)}, 100)
+
+
+def test_pack_and_view_round_trip_every_dtype_including_empty_and_scalar() -> None:
+    tensors = _all_dtypes()
+    tensors["scalar"] = torch.tensor(3.5, dtype=torch.bfloat16)
+    tensors["empty"] = torch.zeros(0, 4)
+    tensors["strided"] = torch.arange(24, dtype=torch.float32).view(4, 6).t()  # not contiguous
+    entries, sizes = plan_buckets(tensors, bucket_bytes=256)
+    buffers = []
+    for index, size in enumerate(sizes):
+        buf = bytearray(b"\xff" * size)  # garbage must not leak into padding
+        pack_bucket(tensors, [e for e in entries if e.bucket == index], memoryview(buf))
+        buffers.append(memoryview(buf))
+    for e in entries:
+        got = view_tensor(buffers[e.bucket], e)
+        want = tensors[e.name]
+        assert got.dtype == want.dtype and got.shape == want.shape, e.name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)), e.name
+    # Padding is zeroed, so the same tensors always give the same checksum.
+    again = bytearray(b"\x00" * sizes[0])
+    pack_bucket(tensors, [e for e in entries if e.bucket == 0], memoryview(again))
+    assert bytes(again) == bytes(buffers[0])
+
+
+def test_view_is_zero_copy() -> None:
+    tensors = {"w": torch.arange(16, dtype=torch.float32)}
+    entries, sizes = plan_buckets(tensors, 1024)
+    buf = bytearray(sizes[0])
+    pack_bucket(tensors, entries, memoryview(buf))
+    view = view_tensor(memoryview(buf), entries[0])
+    buf[0:4] = torch.tensor([42.0]).numpy().tobytes()
+    assert view[0].item() == 42.0
+
+
+def test_manifest_encode_decode_and_validation() -> None:
+    tensors = _all_dtypes()
+    entries, sizes = plan_buckets(tensors, 128)
+    m = Manifest(
+        version=7,
+        tensors=entries,
+        buckets=[BucketEntry(i, s, 1234 + i) for i, s in enumerate(sizes)],
+        transport="redis",
+        checksum="xxh3_64",
+    )
+    back = Manifest.decode(m.encode())
+    assert back == m
+    assert back.total_bytes == sum(sizes) and back.num_buckets == len(sizes)
+
+    bad = Manifest.decode(m.encode())
+    bad.tensors[0].nbytes += 1
+    with pytest.raises(ManifestError, match="bytes"):
+        Manifest.decode(bad.encode())
+    bad = Manifest.decode(m.encode())
+    bad.tensors[-1].offset = bad.buckets[bad.tensors[-1].bucket].nbytes
+    with pytest.raises(ManifestError, match="outside its bucket"):
+        Manifest.decode(bad.encode())
+    bad = Manifest.decode(m.encode())
+    bad.tensors[0].dtype = "float128"
+    with pytest.raises(ManifestError, match="unknown dtype"):
+        Manifest.decode(bad.encode())
+    with pytest.raises(ManifestError, match="malformed"):
+        Manifest.decode(b"\x81\xa6schema\x01")
+    with pytest.raises(ManifestError):
+        Manifest.decode(b"not msgpack at all")
+
+
+def test_checksums_detect_one_flipped_bit() -> None:
+    data = bytearray(torch.randn(4096).numpy().tobytes())
+    for name, fn in CHECKSUMS.items():
+        before = fn(memoryview(data))
+        data[100] ^= 0x01
+        assert fn(memoryview(data)) != before, name
+        data[100] ^= 0x01
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="weights.bucket_bytes"):
+        PublisherConfig(bucket_bytes=0)
+    with pytest.raises(ValueError, match="weights.bucket_bytes"):
+        PublisherConfig(bucket_bytes=1 << 30)
+    with pytest.raises(ValueError, match="weights.keep_versions"):
+        PublisherConfig(keep_versions=0)
+    with pytest.raises(ValueError, match="weights.checksum"):
+        PublisherConfig(checksum="md5")
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        ReaderConfig(lease_ttl_s=0)
