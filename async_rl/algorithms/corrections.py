@@ -72,11 +72,11 @@ def apply_corrections(log_ratio: torch.Tensor, loss_mask: torch.Tensor, cfg: Cor
     ones = torch.ones_like(lr)
     if cfg.tis == "token":
         log_cap = math.log(cfg.token_tis_cap)
-        weights = torch.exp(torch.clamp(lr, max=log_cap))
+        weights = torch.clamp(torch.exp(torch.clamp(lr, max=log_cap)), max=cfg.token_tis_cap)  # exp may round up
         metrics["tis_clipped_frac"] = (mask & (lr > log_cap)).sum().to(lr.dtype) / num_tokens
     elif cfg.tis == "sequence":
         log_cap = math.log(cfg.sequence_tis_cap)
-        seq_w = torch.exp(torch.clamp(seq_log_sum, max=log_cap))
+        seq_w = torch.clamp(torch.exp(torch.clamp(seq_log_sum, max=log_cap)), max=cfg.sequence_tis_cap)
         weights = seq_w.unsqueeze(-1).expand_as(lr)
         clipped_seq = (seq_log_sum > log_cap) & (seq_tokens > 0)
         metrics["tis_clipped_frac"] = (mask & clipped_seq.unsqueeze(-1)).sum().to(lr.dtype) / num_tokens
