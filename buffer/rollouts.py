@@ -1,0 +1,291 @@
+"""The rollout buffer: generators append encoded group records; the learner reads them through a group.
+
+* **Back-pressure, never trimming.** Consumed entries are acked *and deleted*, so ``XLEN`` of the
+  stream is the unconsumed backlog. :meth:`RolloutWriter.append` waits while the backlog is at
+  ``max_backlog`` or above (one warning line when it starts waiting, one when it resumes), woken by
+  the reader's acks through ``Names.rollout_acks_stream`` (a blocking ``XREAD``, no polling), and
+  raises :class:`BackpressureTimeout` after ``backpressure_timeout_s``.
+* **Ack after commit.** The learner calls :meth:`RolloutReader.ack` only once the optimizer step
+  that used the entries is committed; until then they stay pending on its consumer. A restarted
+  learner with the same consumer name gets its own pending entries first; entries idle on another
+  consumer longer than ``reclaim_idle_ms`` are reclaimed (``XAUTOCLAIM``).
+* **Nothing vanishes.** A malformed entry goes to the dead letters (reason, source, generator) and
+  reading continues; a duplicate group id (``seen``) and a stale group (:meth:`ack_dropped`) are
+  acked and counted in ``Names.rollout_counters`` (``duplicates``, ``dropped_stale``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Container, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from async_rl.names import Names
+from async_rl.wire import WireError, decode_group, encode_group
+from async_rl.wire_types import GroupRecord
+from buffer.dead_letters import DeadLetters, DeadLettersConfig
+from buffer.streams import RawEntry, Reclaimer, check_client, ensure_group, read_group, sid
+
+log = logging.getLogger(__name__)
+
+_RECORD = b"rec"
+_GENERATOR = b"gen"
+_GROUP_ID = b"gid"
+# Acks are wake-up signals only; a short tail is enough for every waiting writer to see a new one.
+_ACKS_MAXLEN = 1000
+# A waiting writer re-checks the backlog at least this often (and logs progress), acks or not.
+_WAIT_SLICE_S = 5.0
+
+
+class BackpressureTimeout(TimeoutError):
+    """The rollout backlog stayed above ``max_backlog`` for ``backpressure_timeout_s``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutWriterConfig:
+    """Generator side of the rollout stream."""
+
+    max_backlog: int = 512
+    """Append waits while this many groups are in the stream unconsumed (the learner's admission
+    control normally keeps far fewer in flight; this is the safety net)."""
+    backpressure_timeout_s: float = 600.0
+    """How long append waits for the backlog to drop before raising BackpressureTimeout."""
+
+    def __post_init__(self) -> None:
+        if self.max_backlog < 1:
+            raise ValueError("buffer.rollouts.max_backlog must be >= 1")
+        if self.backpressure_timeout_s <= 0:
+            raise ValueError("buffer.rollouts.backpressure_timeout_s must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutReaderConfig:
+    """Learner side of the rollout stream."""
+
+    reclaim_idle_ms: int = 600_000
+    """Entries pending this long on another consumer (a learner that died) are taken over. Must
+    exceed the longest time between reading an entry and committing the step that uses it."""
+    dead_letters: DeadLettersConfig = field(default_factory=DeadLettersConfig)
+    """Where malformed records go."""
+
+    def __post_init__(self) -> None:
+        if self.reclaim_idle_ms < 1:
+            raise ValueError("buffer.rollouts.reclaim_idle_ms must be >= 1")
+
+
+@dataclass(slots=True)
+class RolloutEntry:
+    """One group record as the learner reads it."""
+
+    entry_id: str
+    """Stream entry id (what :meth:`RolloutReader.ack` takes)."""
+    record: GroupRecord
+    """The decoded record (arrays are read-only views into the entry's bytes)."""
+    payload_bytes: int = 0
+    """Encoded size of the entry."""
+
+
+class RolloutWriter:
+    """Appends group records to the rollout stream of one run, with back-pressure."""
+
+    redis: aioredis.Redis
+    names: Names
+    cfg: RolloutWriterConfig
+    _waiting: bool
+
+    def __init__(self, redis: aioredis.Redis, names: Names, cfg: RolloutWriterConfig | None = None) -> None:
+        self.redis = check_client(redis, "RolloutWriter")
+        self.names = names
+        self.cfg = cfg or RolloutWriterConfig()
+        self._waiting = False
+
+    async def backlog(self) -> int:
+        """Groups in the stream not yet consumed (read or not)."""
+        return int(await self.redis.xlen(self.names.rollouts_stream))
+
+    async def append(self, rec: GroupRecord) -> str:
+        """Encode (validating: raises WireError), wait for room, append; returns the entry id."""
+        data = encode_group(rec)
+        return await self.append_encoded(data, generator_id=rec.generator_id, group_id=rec.group_id)
+
+    async def append_encoded(self, data: bytes, *, generator_id: str, group_id: str) -> str:
+        """Append an already encoded record (benchmarks, relays)."""
+        await self.wait_for_room()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self.names.rollouts_stream, {_RECORD: data, _GENERATOR: generator_id, _GROUP_ID: group_id})
+            pipe.hincrby(self.names.rollout_counters, "appended", 1)
+            entry_id, _ = await pipe.execute()
+        return sid(entry_id)
+
+    async def wait_for_room(self) -> None:
+        """Return once the backlog is below ``max_backlog``; raise BackpressureTimeout after the timeout."""
+        acks = self.names.rollout_acks_stream
+        # Take the acks cursor *before* looking at the backlog: an ack landing in between still wakes us.
+        last = await self.redis.xrevrange(acks, count=1)
+        cursor = sid(last[0][0]) if last else "0-0"
+        backlog = await self.backlog()
+        if backlog < self.cfg.max_backlog:
+            return
+        started = time.monotonic()
+        deadline = started + self.cfg.backpressure_timeout_s
+        log.warning(
+            "rollout backlog %d >= max_backlog %d: waiting up to %.0f s for the learner to consume",
+            backlog,
+            self.cfg.max_backlog,
+            self.cfg.backpressure_timeout_s,
+        )
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BackpressureTimeout(
+                    f"rollout backlog stayed >= max_backlog {self.cfg.max_backlog} for "
+                    f"{self.cfg.backpressure_timeout_s:.0f} s (is the learner running?)"
+                )
+            block_ms = max(1, int(min(remaining, _WAIT_SLICE_S) * 1000))
+            resp = await self.redis.xread({acks: cursor}, count=_ACKS_MAXLEN, block=block_ms)
+            if resp:
+                cursor = sid(resp[0][1][-1][0])
+            backlog = await self.backlog()
+            if backlog < self.cfg.max_backlog:
+                log.warning("rollout backlog %d: resuming after %.1f s", backlog, time.monotonic() - started)
+                return
+
+
+class RolloutReader:
+    """Reads, acks and drops group records of the rollout stream of one run (the learner's side)."""
+
+    redis: aioredis.Redis
+    names: Names
+    cfg: RolloutReaderConfig
+    dead_letters: DeadLetters
+    _reclaimer: Reclaimer
+    _in_flight: dict[str, str]
+    _own_pending_done: set[str]
+    _group_ready: bool
+
+    def __init__(self, redis: aioredis.Redis, names: Names, cfg: RolloutReaderConfig | None = None) -> None:
+        self.redis = check_client(redis, "RolloutReader")
+        self.names = names
+        self.cfg = cfg or RolloutReaderConfig()
+        self.dead_letters = DeadLetters(self.redis, names, self.cfg.dead_letters)
+        self._reclaimer = Reclaimer(names.rollouts_stream, names.rollouts_group)
+        self._in_flight = {}  # entry id -> consumer holding it
+        self._own_pending_done = set()
+        self._group_ready = False
+
+    @property
+    def in_flight(self) -> frozenset[str]:
+        """Entry ids returned by :meth:`read` and not yet acked or dropped."""
+        return frozenset(self._in_flight)
+
+    async def _ensure_group(self) -> None:
+        if not self._group_ready:
+            await ensure_group(self.redis, self.names.rollouts_stream, self.names.rollouts_group)
+            self._group_ready = True
+
+    async def read(
+        self, consumer: str, count: int, block_ms: int = 0, seen: Container[str] | None = None
+    ) -> list[RolloutEntry]:
+        """Up to ``count`` records: this consumer's own pending ones left by a previous run first, then
+        entries abandoned by dead consumers, then new ones (blocking up to ``block_ms``; 0: no wait).
+
+        Records whose group id is in ``seen`` are acked and counted as ``duplicates``; malformed
+        ones go to the dead letters. Either way they are not returned and reading goes on.
+        """
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if not consumer:
+            raise ValueError("consumer name must not be empty")
+        await self._ensure_group()
+        stream, group = self.names.rollouts_stream, self.names.rollouts_group
+        out: list[RolloutEntry] = []
+        if consumer not in self._own_pending_done:
+            # After a restart: entries delivered to this consumer name before and never acked.
+            raw = await read_group(self.redis, stream, group, consumer, "0", count + len(self._in_flight), 0)
+            raw = [(e, f) for e, f in raw if self._in_flight.get(e) != consumer]
+            if not raw:
+                self._own_pending_done.add(consumer)
+            out += await self._accept(raw, consumer, seen)
+        if len(out) < count:
+            raw = await self._reclaimer.claim(self.redis, consumer, self.cfg.reclaim_idle_ms, count - len(out))
+            # Our own entries held across a long step look idle too: they are not abandoned.
+            raw = [(e, f) for e, f in raw if self._in_flight.get(e) != consumer]
+            if raw:
+                log.info("rollout reader: %s reclaimed %d abandoned entries", consumer, len(raw))
+            out += await self._accept(raw, consumer, seen)
+        if len(out) < count:
+            raw = await read_group(self.redis, stream, group, consumer, ">", count - len(out), 0 if out else block_ms)
+            out += await self._accept(raw, consumer, seen)
+        return out
+
+    async def _accept(self, raw: list[RawEntry], consumer: str, seen: Container[str] | None) -> list[RolloutEntry]:
+        out = []
+        duplicates: list[str] = []
+        gone: list[str] = []
+        for eid, fields in raw:
+            if fields is None:  # deleted while pending (Redis 6.2 reports these): nothing left to read
+                gone.append(eid)
+                continue
+            data = fields.get(_RECORD)
+            try:
+                if data is None:
+                    raise WireError("rollout entry has no 'rec' field")
+                rec = decode_group(data)
+            except WireError as exc:
+                log.warning("rollout reader: entry %s moved to dead letters: %s", eid, exc)
+                await self.dead_letters.quarantine(
+                    source_stream=self.names.rollouts_stream,
+                    group=self.names.rollouts_group,
+                    source_id=eid,
+                    fields=fields,
+                    payload_field=_RECORD,
+                    reason=str(exc),
+                    counters_key=self.names.rollout_counters,
+                )
+                continue
+            if seen is not None and rec.group_id in seen:
+                duplicates.append(eid)
+                continue
+            self._in_flight[eid] = consumer
+            out.append(RolloutEntry(eid, rec, len(data)))
+        if duplicates:
+            await self._finish(duplicates, "duplicates")
+        if gone:
+            await self._finish(gone, "deleted_pending")
+        return out
+
+    async def ack(self, entry_ids: Iterable[str | RolloutEntry]) -> int:
+        """The step using these entries is committed: ack, delete and count them as ``consumed``."""
+        return await self._finish(_ids(entry_ids), "consumed")
+
+    async def ack_dropped(self, entry_ids: Iterable[str | RolloutEntry], counter: str = "dropped_stale") -> int:
+        """Entries the learner will not train on (staleness policy): ack, delete, count in ``counter``."""
+        return await self._finish(_ids(entry_ids), counter)
+
+    async def count(self, counter: str, n: int) -> None:
+        """Add ``n`` to a field of ``Names.rollout_counters`` (e.g. ``kept_stale`` in keep mode)."""
+        if n:
+            await self.redis.hincrby(self.names.rollout_counters, counter, n)
+
+    async def _finish(self, ids: Sequence[str], counter: str) -> int:
+        if not ids:
+            return 0
+        stream = self.names.rollouts_stream
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(stream, self.names.rollouts_group, *ids)
+            pipe.xdel(stream, *ids)
+            pipe.hincrby(self.names.rollout_counters, counter, len(ids))
+            pipe.xadd(self.names.rollout_acks_stream, {"n": len(ids)}, maxlen=_ACKS_MAXLEN, approximate=True)
+            # The commit of a step's acks must not be cut in half by a cancellation.
+            acked = (await asyncio.shield(pipe.execute()))[0]
+        for i in ids:
+            self._in_flight.pop(i, None)
+        return int(acked)
+
+
+def _ids(entries: Iterable[str | RolloutEntry]) -> list[str]:
+    return [e if isinstance(e, str) else e.entry_id for e in entries]
