@@ -53,14 +53,15 @@ def encode(text: str) -> list[int]:
     return [VOCAB[c] for c in text]
 
 
-_ID_TO_TOKEN = {i: t for t, i in VOCAB.items()}
+VOCAB_ITEMS: dict[int, str] = {i: t for t, i in VOCAB.items()}
+"""Id -> token string."""
 
 
 def decode(ids: list[int] | tuple[int, ...], *, skip_special: bool = True) -> str:
     """Text of ``ids``; special tokens dropped unless ``skip_special`` is False; unknown ids raise ValueError."""
     out = []
     for i in ids:
-        tok = _ID_TO_TOKEN.get(int(i))
+        tok = VOCAB_ITEMS.get(int(i))
         if tok is None:
             raise ValueError(f"token id {int(i)} is outside the toy vocabulary (size {VOCAB_SIZE})")
         if skip_special and tok in SPECIAL_TOKENS:

@@ -1,0 +1,125 @@
+"""The task interface: where prompts come from and how a response is scored.
+
+A :class:`Task` makes prompts as :class:`~async_rl.wire.PromptSpec` (id, token ids, and the
+metadata its scorer needs, e.g. ``{"task": "copy", "target": "12345"}``), deterministically
+from ``(seed, index)`` so the learner can resume its prompt stream by index. Generators score
+each sample with :meth:`Task.score`, which decodes the response (cut at the first end token)
+and returns a :class:`Score`: the scalar reward plus named components for logging.
+
+A user's own reward is named ``module:function`` (see :func:`load_reward_fn`) and called as
+``fn(response_text, metadata)``; it returns a float, or a mapping with a ``"reward"`` key and
+other float components.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from async_rl.wire import PromptSpec
+
+RewardFn = Callable[[str, Mapping[str, Any]], "float | Mapping[str, float]"]
+"""``fn(response_text, metadata) -> reward`` or ``{"reward": r, "<component>": x, ...}``."""
+
+
+@dataclass(slots=True)
+class Score:
+    """A scored response."""
+
+    reward: float
+    """The scalar the advantages are computed from."""
+    info: dict[str, float] = field(default_factory=dict)
+    """Named components / task metrics (e.g. ``{"exact": 1.0}``), for logging."""
+
+
+class Task(abc.ABC):
+    """Prompts and a verifiable reward."""
+
+    name: str
+    """Short task name (stored in each prompt's metadata under ``"task"``)."""
+
+    @property
+    @abc.abstractmethod
+    def num_prompts(self) -> int | None:
+        """Distinct prompts per epoch (None: an endless generated stream)."""
+
+    @property
+    @abc.abstractmethod
+    def max_new_tokens(self) -> int:
+        """A response budget that fits every answer of this task (end token included)."""
+
+    @abc.abstractmethod
+    def prompt(self, index: int) -> PromptSpec:
+        """The ``index``-th prompt of the stream (same seed and index -> same prompt)."""
+
+    @abc.abstractmethod
+    def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
+        """Score one response (token ids as generated, possibly ending in an end token)."""
+
+    def prompts(self, start: int = 0) -> Iterator[PromptSpec]:
+        """Prompts ``start, start + 1, ...`` (endless; a finite task cycles through reshuffled epochs)."""
+        index = start
+        while True:
+            yield self.prompt(index)
+            index += 1
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import ``module:function`` (``module`` importable from ``sys.path``); ValueError saying what is wrong."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function must be named 'module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward function {spec!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward function {spec!r} is not callable (it is a {type(obj).__name__})")
+    return obj
+
+
+def call_reward_fn(fn: RewardFn, text: str, metadata: Mapping[str, Any], name: str = "reward") -> Score:
+    """Call a user's reward function and check what it returns."""
+    out = fn(text, metadata)
+    if isinstance(out, Mapping):
+        if "reward" not in out:
+            raise ValueError(f"{name} returned a mapping without a 'reward' key: {sorted(out)}")
+        info = {str(k): _finite(v, f"{name}[{k!r}]") for k, v in out.items() if k != "reward"}
+        return Score(reward=_finite(out["reward"], f"{name}['reward']"), info=info)
+    return Score(reward=_finite(out, name))
+
+
+def _finite(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{what} must be finite, got {v}")
+    return v
+
+
+def positional_credit(response: str, target: str, *, strict_length: bool) -> Score:
+    """Share of target positions the response gets right; with ``strict_length`` a wrong length also costs.
+
+    ``reward = matches / len(target)`` (or ``/ max(len(target), len(response))`` when strict), plus
+    the components ``exact`` (1.0 when ``response == target``) and ``length_ok``.
+    """
+    if not target:
+        raise ValueError("positional_credit needs a non-empty target")
+    matches = sum(1 for a, b in zip(response, target, strict=False) if a == b)
+    denom = max(len(target), len(response)) if strict_length else len(target)
+    return Score(
+        reward=matches / denom,
+        info={"exact": float(response == target), "length_ok": float(len(response) == len(target))},
+    )

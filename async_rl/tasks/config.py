@@ -1,0 +1,89 @@
+"""Task configuration and the one function that builds a :class:`~async_rl.tasks.base.Task` from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from async_rl.tasks.base import Task, load_reward_fn
+from async_rl.tasks.jsonl import BUILTIN_REWARDS, JsonlTask
+from async_rl.tasks.toy import TOY_TASKS, ToyTask
+
+TASK_NAMES = (*TOY_TASKS, "jsonl")
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    """Which prompts to issue and how responses are rewarded."""
+
+    name: str = "copy"
+    """copy | reverse | sort | add (built-in toy tasks) or jsonl (prompts from ``jsonl_path``)."""
+    seed: int = 0
+    """Seed of the prompt stream (prompt i depends only on seed and i)."""
+    min_digits: int = 5
+    """Toy tasks: fewest digits per operand."""
+    max_digits: int = 5
+    """Toy tasks: most digits per operand."""
+    strict_length: bool | None = None
+    """Toy tasks: let a wrong response length cost reward (None: only for ``add``)."""
+    jsonl_path: str = ""
+    """jsonl: the prompt file."""
+    prompt_field: str = "prompt"
+    """jsonl: field holding the prompt text."""
+    tokenizer: str = ""
+    """jsonl: tokenizer for prompt text, a preset or HF directory ('' = the toy char tokenizer)."""
+    add_bos: bool = True
+    """jsonl: put the tokenizer's bos token in front of text prompts."""
+    shuffle: bool = True
+    """jsonl: reshuffle every epoch (deterministically from seed and epoch)."""
+    reward: str = ""
+    """'module:function' of a user's reward, or for jsonl a built-in (exact_match, positional); '' = default."""
+    max_new_tokens: int = 0
+    """Response budget the generators use (0: the task's own, e.g. digits + 1 for copy; 32 for jsonl)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in TASK_NAMES:
+            raise ValueError(f"task.name must be one of {list(TASK_NAMES)}, got {self.name!r}")
+        if self.min_digits < 1:
+            raise ValueError("task.min_digits must be >= 1")
+        if self.max_digits < self.min_digits:
+            raise ValueError("task.max_digits must be >= task.min_digits")
+        if self.name == "jsonl" and not self.jsonl_path:
+            raise ValueError("task.jsonl_path is required when task.name is 'jsonl'")
+        builtin_ok = self.name == "jsonl" and self.reward in BUILTIN_REWARDS
+        if self.reward and ":" not in self.reward and not builtin_ok:
+            also = f" or one of {list(BUILTIN_REWARDS)}" if self.name == "jsonl" else ""
+            raise ValueError(f"task.reward must be 'module:function'{also}, got {self.reward!r}")
+        if self.max_new_tokens < 0:
+            raise ValueError("task.max_new_tokens must be >= 0")
+
+
+def build_task(config: TaskConfig) -> Task:
+    """The task ``config`` describes (imports a user's reward function; ValueError if it cannot)."""
+    reward_fn = load_reward_fn(config.reward) if ":" in config.reward else None
+    if config.name == "jsonl":
+        tokenizer = None
+        if config.tokenizer:
+            from async_rl.models import load_tokenizer
+
+            tokenizer = load_tokenizer(config.tokenizer)
+        return JsonlTask(
+            config.jsonl_path,
+            seed=config.seed,
+            prompt_field=config.prompt_field,
+            reward=config.reward if config.reward in BUILTIN_REWARDS else "exact_match",
+            reward_fn=reward_fn,
+            tokenizer=tokenizer,
+            add_bos=config.add_bos,
+            shuffle=config.shuffle,
+            max_new_tokens=config.max_new_tokens or 32,
+        )
+    task = ToyTask(
+        config.name,
+        seed=config.seed,
+        min_digits=config.min_digits,
+        max_digits=config.max_digits,
+        strict_length=config.strict_length,
+        reward_fn=reward_fn,
+        max_new_tokens=config.max_new_tokens or None,
+    )
+    return task

@@ -1,0 +1,150 @@
+"""Prompts from a JSONL file, scored by a built-in or a user's ``module:function`` reward.
+
+Each line is a JSON object with the prompt as text (``"prompt"``, or the field named by
+``prompt_field``) or as token ids (``"prompt_ids"``); an optional ``"id"``; every other field
+(for example ``"answer"``) goes into the prompt's metadata for the scorer. The file is read
+once and checked line by line (errors name the line). Epochs are reshuffled deterministically
+from ``(seed, epoch)``.
+
+Built-in rewards compare the decoded response with the row's ``"answer"``: ``exact_match``
+(1.0 when equal after stripping whitespace) and ``positional`` (per-position partial credit).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from async_rl import tokenizer as tt
+from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit
+from async_rl.tasks.toy import response_text
+from async_rl.wire import PromptSpec
+
+BUILTIN_REWARDS = ("exact_match", "positional")
+"""Rewards a JSONL task can name without code; both need an ``"answer"`` field."""
+
+
+class JsonlTask(Task):
+    """Prompts read from a JSONL file (see the module docstring)."""
+
+    name = "jsonl"
+    path: Path
+    seed: int
+    shuffle: bool
+    rows: list[tuple[str, np.ndarray, dict[str, Any]]]
+    """(row id, prompt ids, metadata) per line."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        seed: int = 0,
+        prompt_field: str = "prompt",
+        reward: str = "exact_match",
+        reward_fn: RewardFn | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        add_bos: bool = True,
+        shuffle: bool = True,
+        max_new_tokens: int = 32,
+    ) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"task.jsonl_path {str(self.path)!r} is not a file")
+        if reward_fn is None and reward not in BUILTIN_REWARDS:
+            raise ValueError(
+                f"task.reward {reward!r} is neither built in ({', '.join(BUILTIN_REWARDS)}) nor module:function"
+            )
+        if max_new_tokens < 1:
+            raise ValueError("task.max_new_tokens must be >= 1")
+        self.seed, self.shuffle = seed, shuffle
+        self._reward, self._reward_fn = reward, reward_fn
+        self._tokenizer = tokenizer
+        self._max_new_tokens = max_new_tokens
+        bos = tt.BOS_ID if tokenizer is None else tokenizer.bos_token_id
+        self._eos = tt.EOS_ID if tokenizer is None else tokenizer.eos_token_id
+        self.rows = []
+        with self.path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    self.rows.append(self._parse(line, lineno, prompt_field, bos if add_bos else None))
+        if not self.rows:
+            raise ValueError(f"task.jsonl_path {str(self.path)!r} has no prompts")
+        if reward_fn is None and any("answer" not in meta for _, _, meta in self.rows):
+            missing = next(i for i, (_, _, meta) in enumerate(self.rows) if "answer" not in meta)
+            raise ValueError(f"{self.path}: reward {reward!r} needs an 'answer' field; row {missing + 1} has none")
+
+    def _parse(self, line: str, lineno: int, field: str, bos: int | None) -> tuple[str, np.ndarray, dict[str, Any]]:
+        where = f"{self.path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc})") from exc
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+        if "prompt_ids" in row:
+            ids = row.pop("prompt_ids")
+            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+                raise ValueError(f"{where}: prompt_ids must be a non-empty list of token ids")
+            text = row.pop(field, None)
+        elif field in row:
+            text = row.pop(field)
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"{where}: {field!r} must be a non-empty string")
+            try:
+                ids = (
+                    tt.encode(text)
+                    if self._tokenizer is None
+                    else self._tokenizer(text, add_special_tokens=False).input_ids
+                )
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from exc
+            if bos is not None:
+                ids = [bos, *ids]
+        else:
+            raise ValueError(f"{where}: needs a {field!r} (text) or 'prompt_ids' field")
+        row_id = str(row.pop("id", lineno))
+        meta = {"task": self.name, "row": row_id, **({"prompt": text} if text is not None else {}), **row}
+        return row_id, np.asarray(ids, dtype=np.int32), meta
+
+    @property
+    def num_prompts(self) -> int | None:
+        return len(self.rows)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self._max_new_tokens
+
+    def prompt(self, index: int) -> PromptSpec:
+        if index < 0:
+            raise ValueError(f"prompt index must be >= 0, got {index}")
+        epoch, pos = divmod(index, len(self.rows))
+        if self.shuffle:
+            pos = int(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))[pos])
+        _, ids, meta = self.rows[pos]
+        return PromptSpec(prompt_id=f"jsonl-{self.seed}-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
+
+    def decode(self, response_ids: np.ndarray) -> str:
+        """Response text cut at the first end token."""
+        if self._tokenizer is None:
+            return response_text(response_ids)
+        ids = np.asarray(response_ids).tolist()
+        if self._eos is not None and self._eos in ids:
+            ids = ids[: ids.index(self._eos)]
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
+        text = self.decode(response_ids)
+        if self._reward_fn is not None:
+            return call_reward_fn(self._reward_fn, text, metadata)
+        answer = metadata.get("answer")
+        if answer is None:
+            raise ValueError(f"prompt metadata has no 'answer' for reward {self._reward!r}: {dict(metadata)}")
+        answer = str(answer)
+        if self._reward == "exact_match":
+            return Score(reward=float(text.strip() == answer.strip()))
+        return positional_credit(text.strip(), answer.strip(), strict_length=True)
