@@ -42,6 +42,8 @@ def make_loss_fn(cfg: AlgorithmConfig, *, learner_version: int | Callable[[], in
 
     def loss_fn(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logp = out.logprobs
+        if logp.dtype in (torch.float16, torch.bfloat16):
+            logp = logp.float()  # ratios and their exp need float32 at least
         if logp.dim() != 2:
             raise ValueError(f"out.logprobs must be [B, T], got shape {tuple(logp.shape)}")
         if mb.loss_mask.shape != logp.shape:
