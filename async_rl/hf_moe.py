@@ -250,7 +250,8 @@ class RouteReplay:
             if layer.index not in self._checked:
                 # Our recomputation must reproduce the router's own weights for its own choice, or the model's
                 # router is of a kind this module does not know.
-                mine = _weights(probs, own, normalise).to(scores.dtype)
+                with torch.no_grad():  # outside autograd: an activation recompute (which skips this) must match
+                    mine = _weights(probs, own, normalise).to(scores.dtype)
                 if not torch.allclose(mine.float(), scores.float(), atol=_WEIGHT_CHECK_ATOL, rtol=1e-5):
                     raise RuntimeError(f"router {type(module).__name__} at {layer.name} is not a softmax top-k router")
                 self._checked.add(layer.index)

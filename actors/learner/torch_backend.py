@@ -1,0 +1,271 @@
+"""Plain PyTorch training backend: a Hugging Face causal LM (dense or MoE) on the CPU or one GPU.
+
+Forward passes replay the generators' recorded MoE routes (R3) through :mod:`async_rl.hf_moe`
+when asked: positions the engine ran use the recorded experts, later positions and padding the
+model's own routing. Gradients of the micro-batches are summed (the loss functions already
+divide by step-global denominators, see :mod:`actors.learner.backend`), clipped, and applied by
+AdamW. Weights are exported under their Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from actors.learner.backend import ForwardOutput, LossFn, MicroBatch, StepResult, TrainingBackend
+from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
+from async_rl.hf_moe import find_moe_layers, pack_routes, replay_routes
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Accepted ``dtype`` names."""
+
+EXPORT_FORMATS = ("state_dict", "checkpoint")
+"""``state_dict``: transformers' in-memory names (fused expert tensors); ``checkpoint``: the names
+``save_pretrained`` writes and vLLM loads (one tensor per expert)."""
+
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+@dataclass(kw_only=True, slots=True)
+class TorchBackendConfig:
+    """Optimizer and placement of the torch backend."""
+
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping, the norm is still reported)."""
+    dtype: str = "float32"
+    """Parameter and compute dtype: float32, bfloat16 or float16 (optimizer state follows the parameters)."""
+    device: str = "auto"
+    """``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (the first GPU when there is one, else the CPU)."""
+    seed: int = 0
+    """Torch RNG seed set when the backend is built."""
+    temperature: float = 1.0
+    """Sampling temperature of the generators: logits are divided by it so logprobs match the behaviour ones."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (routes are replayed in the recompute too)."""
+    export_format: str = "state_dict"
+    """Weight names of :meth:`TorchBackend.export_weights`: ``state_dict`` or ``checkpoint``."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"learner.torch.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"learner.torch.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"learner.torch.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"learner.torch.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip < 0:
+            raise ValueError(f"learner.torch.grad_clip must be >= 0, got {self.grad_clip}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"learner.torch.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"learner.torch.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"learner.torch.temperature must be > 0, got {self.temperature}")
+        if self.export_format not in EXPORT_FORMATS:
+            raise ValueError(f"learner.torch.export_format must be one of {list(EXPORT_FORMATS)}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"learner.torch.device is {self.device!r} but no CUDA device is available")
+        return torch.device(self.device)
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` float32 logprob of ``input_ids[:, t]`` from ``logits[:, t - 1]`` (0 at t = 0 and on padding),
+    and the entropy of that predictive distribution."""
+    pred = logits[:, :-1].float()
+    target = input_ids[:, 1:]
+    lse = torch.logsumexp(pred, dim=-1)
+    lp = pred.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
+    valid = attention_mask[:, 1:]
+    zero = lp.new_zeros(lp.shape[0], 1)
+    logprobs = torch.cat([zero, lp.masked_fill(~valid, 0.0)], dim=1)
+    entropy = None
+    if with_entropy:
+        ent = lse - (torch.softmax(pred, dim=-1) * pred).sum(-1)
+        entropy = torch.cat([zero, ent.masked_fill(~valid, 0.0)], dim=1)
+    return logprobs, entropy
+
+
+def aggregate_metrics(parts: Sequence[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """Merge per-micro-batch metrics by :func:`async_rl.algorithms.metrics.reduce_metrics`' naming convention
+    (``_max`` / ``_min``: max / min, ``_count`` / ``_sum``: summed, others token-weighted); the weight of a
+    micro-batch is its ``loss_tokens_count`` metric, or the given response-token count when the loss omits it."""
+    return reduce_metrics([m if WEIGHT_KEY in m else {**m, WEIGHT_KEY: w} for m, w in parts])
+
+
+class TorchBackend(TrainingBackend):
+    """One HF causal LM and its AdamW optimizer on one device (see the module docstring)."""
+
+    name = "torch"
+    config: TorchBackendConfig
+    device: torch.device
+    model: nn.Module
+    reference_model: nn.Module | None
+    optimizer: torch.optim.AdamW
+    _num_moe_layers: int
+    _top_k: int
+
+    def __init__(
+        self, model: nn.Module, config: TorchBackendConfig, *, reference_model: nn.Module | bool | None = None
+    ) -> None:
+        """``reference_model``: a frozen model for reference logprobs, or True for a frozen copy of ``model``."""
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.device = config.resolve_device()
+        dtype = DTYPES[config.dtype]
+        self.model = model.to(device=self.device, dtype=dtype)
+        self.model.eval()
+        if config.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):  # the transformers 5.x name
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if reference_model is True:
+            reference_model = copy.deepcopy(self.model)
+        self.reference_model = None
+        if isinstance(reference_model, nn.Module):
+            self.reference_model = reference_model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+        layers = find_moe_layers(self.model)
+        self._num_moe_layers = len(layers)
+        self._top_k = layers[0].top_k if layers else 0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+        )
+
+    @property
+    def is_main_rank(self) -> bool:
+        return True
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self._num_moe_layers
+
+    def _replay(self, model: nn.Module, mb: MicroBatch, replay: bool):
+        if not replay or self._num_moe_layers == 0 or all(r is None for r in mb.routes):
+            return nullcontext()
+        routes = pack_routes(mb.routes, int(mb.input_ids.shape[1]), self._num_moe_layers, self._top_k,
+                             device=self.device)  # fmt: skip
+        return replay_routes(model, routes)
+
+    def _forward(self, model: nn.Module, mb: MicroBatch, with_entropy: bool) -> ForwardOutput:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask.long(), use_cache=False)
+        logits = out.logits
+        if self.config.temperature != 1.0:
+            logits = logits / self.config.temperature
+        logprobs, entropy = token_logprobs(logits, mb.input_ids, mb.attention_mask, with_entropy=with_entropy)
+        return ForwardOutput(logprobs=logprobs, entropy=entropy)
+
+    def forward_logprobs(
+        self, mb: MicroBatch, *, replay_routes: bool = True, with_entropy: bool = False, reference: bool = False
+    ) -> ForwardOutput:
+        model = self.model
+        if reference:
+            if self.reference_model is None:
+                raise ValueError("forward_logprobs(reference=True) needs a backend built with a reference model")
+            model = self.reference_model
+        dev = mb.to(self.device)
+        model.eval()
+        with torch.no_grad(), self._replay(model, dev, replay_routes):
+            out = self._forward(model, dev, with_entropy)
+        return ForwardOutput(
+            logprobs=out.logprobs.float().cpu(),
+            entropy=None if out.entropy is None else out.entropy.float().cpu(),
+        )
+
+    def train_step(
+        self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, replay_routes: bool = True,
+        with_entropy: bool = False,
+    ) -> StepResult:  # fmt: skip
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        start = time.perf_counter()
+        # Eval mode (no dropout, no router jitter) so that train and forward_logprobs agree; HF checkpointing
+        # only runs in train mode.
+        self.model.train(self.config.gradient_checkpointing)
+        self.optimizer.zero_grad(set_to_none=True)
+        parts: list[tuple[dict[str, float], float]] = []
+        num_tokens = 0
+        total_loss = 0.0
+        try:
+            for mb in micro_batches:
+                dev = mb.to(self.device)
+                # Backward inside the replay context: activation recompute must see the same routes.
+                with self._replay(self.model, dev, replay_routes):
+                    out = self._forward(self.model, dev, with_entropy)
+                    loss, metrics = loss_fn(out, dev)
+                    if loss.dim() != 0:
+                        raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
+                    loss.backward()
+                total_loss += float(loss.detach())
+                parts.append((metrics, float(mb.loss_mask.sum())))
+                num_tokens += mb.num_tokens
+        finally:
+            self.model.eval()
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = aggregate_metrics(parts)
+        elapsed = time.perf_counter() - start
+        metrics.update({
+            "loss": total_loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+            "step_skipped": 0.0 if finite else 1.0, "num_micro_batches": float(len(micro_batches)),
+            "train_tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
+        })  # fmt: skip
+        return StepResult(metrics=metrics, grad_norm=grad_norm, num_tokens=num_tokens)
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if self.config.export_format == "checkpoint":
+            from transformers.core_model_loading import revert_weight_conversion
+
+            state = revert_weight_conversion(self.model, state)
+        for name, tensor in state.items():
+            yield name, tensor.to("cpu").contiguous()
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(self.model.state_dict(), directory / MODEL_FILE)
+        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+
+    def load(self, directory: Path) -> None:
+        for f in (MODEL_FILE, OPTIMIZER_FILE):
+            if not (directory / f).is_file():
+                raise ValueError(f"checkpoint {directory} lacks {f}")
+        state = torch.load(directory / MODEL_FILE, map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state, strict=True)
+        self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location=self.device,
+                                                  weights_only=True))  # fmt: skip
+
+    def close(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
