@@ -47,6 +47,10 @@ class Names:
         """Short stream the rollout reader appends to after each ack, waking producers held by back-pressure."""
         return self.key("rollouts", "acks")
 
+    def rollout_payload(self, token: str) -> str:
+        """String key holding the bytes of a large rollout record; its stream entry carries this key."""
+        return self.key("rollouts", "payload", token)
+
     prompts_group: str = "generators"
     rollouts_group: str = "learner"
 
