@@ -124,6 +124,8 @@ class TorchEngine(Engine):
     _closed: bool
     _waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]]
     _swap_lock: threading.Lock
+    _staged_cond: threading.Condition
+    """Notified (under ``_swap_lock``) when a version is loaded into the standby or swapped in."""
     _gen_lock: threading.Lock
     _stage_cond: threading.Condition
     _loader: threading.Thread | None
@@ -157,6 +159,7 @@ class TorchEngine(Engine):
         self._closed = False
         self._waiters = []
         self._swap_lock = threading.Lock()
+        self._staged_cond = threading.Condition(self._swap_lock)
         self._gen_lock = threading.Lock()
         self._stage_cond = threading.Condition()
         self._loader = None
@@ -228,6 +231,23 @@ class TorchEngine(Engine):
                 if entry in self._waiters:
                     self._waiters.remove(entry)
 
+    def wait_staged(self, version: int, timeout_s: float | None = None) -> bool:
+        """Block until ``version`` (or newer) is loaded in the standby or in use; True if so, False on timeout.
+
+        A blocking call for threads (tests, benchmarks); coroutines use :meth:`wait_applied`.
+        """
+
+        def ready() -> bool:
+            return self._version >= version or (self._ready_version is not None and self._ready_version >= version)
+
+        with self._staged_cond:
+            return self._staged_cond.wait_for(ready, timeout_s)
+
+    @property
+    def ready_version(self) -> int | None:
+        """Version loaded in the standby and waiting for the next step boundary (None: nothing waiting)."""
+        return self._ready_version
+
     async def close(self) -> None:
         self._closed = True
         with self._stage_cond:
@@ -275,6 +295,7 @@ class TorchEngine(Engine):
             if version <= self._version:
                 return
             self._ready_version = version
+            self._staged_cond.notify_all()
             if not self._busy:
                 self._swap_locked()
 
@@ -294,6 +315,7 @@ class TorchEngine(Engine):
         self._slots_active, self._slots_standby = self._slots_standby, self._slots_active
         self._version, self._ready_version = self._ready_version, None
         self.last_swap_pause_s = time.perf_counter() - t0
+        self._staged_cond.notify_all()
         done = [w for w in self._waiters if w[0] <= self._version]
         for w in done:
             self._waiters.remove(w)

@@ -1,0 +1,306 @@
+"""TorchEngine against separate full forward passes of real transformers models (no mocks).
+
+Tolerance: logprobs agree with a full, unpadded, uncached forward within LOGPROB_ATOL (float32;
+the engine's batched, left-padded, KV-cached path differs only by float reassociation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from actors.generator.engine import SamplingParams
+from actors.generator.torch_engine import TorchEngine, TorchEngineConfig, sample_tokens
+from async_rl import tokenizer as tt
+from async_rl.models import build_model, save_pretrained_dir, tiny_moe_config
+
+LOGPROB_ATOL = 1e-4
+"""float32: observed differences are ~1e-6; 1e-4 leaves room for other CPUs' kernels."""
+TIE_ATOL = 1e-5
+"""Two router probabilities closer than this are a tie: either expert is a correct top-k choice."""
+PROMPTS = ["12345=", "9=", "31+47=", "0123456789<"]
+
+
+def prompt_ids() -> list[np.ndarray]:
+    return [np.array([tt.BOS_ID, *tt.encode(t)], dtype=np.int32) for t in PROMPTS]
+
+
+def peaked_model(preset: str = "tiny-moe", seed: int = 0, config=None):
+    """A random-init model with a sharpened output layer, so greedy choices are far from ties."""
+    model = build_model(config if config is not None else preset, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    return model
+
+
+def make_engine(model, **kw) -> TorchEngine:
+    return TorchEngine(TorchEngineConfig(**kw), model=model)
+
+
+def reference_logprobs(model, prompt: np.ndarray, response: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Logprob of each response token under the processed distribution, from one full forward pass."""
+    full = torch.from_numpy(np.concatenate([prompt, response]).astype(np.int64))[None]
+    with torch.inference_mode():
+        logits = model(full).logits[0, prompt.size - 1 : prompt.size - 1 + response.size].double()
+    if params.temperature == 0:
+        lp = torch.log_softmax(logits, -1)
+    else:
+        logits = logits / params.temperature
+        rows = []
+        for row in logits:
+            keep = torch.ones_like(row, dtype=torch.bool)
+            if params.top_k:
+                keep &= row >= row.topk(params.top_k).values[-1]
+            if params.top_p < 1:
+                order = row.argsort(descending=True)
+                probs = torch.softmax(row, -1)[order]
+                before = torch.cumsum(probs, 0) - probs
+                keep_sorted = before < params.top_p
+                keep &= torch.zeros_like(keep).scatter(0, order, keep_sorted)
+            rows.append(torch.log_softmax(row.masked_fill(~keep, float("-inf")), -1))
+        lp = torch.stack(rows)
+    return lp.gather(-1, torch.from_numpy(response.astype(np.int64))[:, None]).squeeze(-1).float().numpy()
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=3, max_new_tokens=12, temperature=1.0, seed=1),
+        SamplingParams(n=3, max_new_tokens=12, temperature=0.7, top_k=5, seed=2),
+        SamplingParams(n=3, max_new_tokens=12, temperature=1.3, top_p=0.9, seed=3),
+    ],
+    ids=["t1", "t0.7-topk5", "t1.3-topp0.9"],
+)
+async def test_logprobs_match_full_forward(preset, params):
+    engine = make_engine(build_model(preset, seed=0))
+    prompts = prompt_ids()
+    groups = await engine.generate(prompts, params)
+    assert len(groups) == len(prompts) and all(len(g) == params.n for g in groups)
+    worst = 0.0
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            assert c.token_ids.dtype == np.int32 and c.logprobs.dtype == np.float32 and c.versions.dtype == np.int32
+            assert 1 <= c.token_ids.size <= params.max_new_tokens
+            assert c.finish_reason == ("stop" if c.token_ids[-1] == tt.EOS_ID else "length")
+            assert tt.EOS_ID not in c.token_ids[:-1].tolist()
+            ref = reference_logprobs(engine.model, prompt, c.token_ids, params)
+            assert np.isfinite(ref).all(), "a token outside the truncated distribution was sampled"
+            worst = max(worst, float(np.abs(ref - c.logprobs).max()))
+            assert (c.versions == -1).all()
+            assert (c.routes is None) == (preset == "tiny-dense")
+    assert worst < LOGPROB_ATOL, worst
+
+
+async def test_greedy_is_deterministic_and_matches_hf_generate():
+    engine = make_engine(peaked_model())
+    params = SamplingParams(n=2, max_new_tokens=10, temperature=0.0)
+    a = await engine.generate(prompt_ids(), params)
+    b = await engine.generate(prompt_ids()[::-1], params)
+    for ga, gb in zip(a, b[::-1], strict=True):
+        for ca, cb in zip(ga + gb, gb + ga, strict=True):
+            assert np.array_equal(ca.token_ids, cb.token_ids)
+            np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=LOGPROB_ATOL)
+    for prompt, group in zip(prompt_ids(), a, strict=True):
+        c = group[0]
+        hf = engine.model.generate(
+            torch.from_numpy(prompt.astype(np.int64))[None], do_sample=False, max_new_tokens=10,
+            eos_token_id=tt.EOS_ID, pad_token_id=tt.PAD_ID,
+        )[0, prompt.size :].numpy()  # fmt: skip
+        assert np.array_equal(hf[: c.token_ids.size], c.token_ids)
+        np.testing.assert_allclose(
+            c.logprobs, reference_logprobs(engine.model, prompt, c.token_ids, params), atol=LOGPROB_ATOL
+        )
+
+
+def router_topk(model, tokens: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The routers' own choices on a full re-run: (sorted top-k ids [T, L, K], probs [T, L, E])."""
+    with torch.inference_mode():
+        out = model(torch.from_numpy(tokens.astype(np.int64))[None], output_router_logits=True)
+    probs = torch.stack([torch.softmax(r.float(), -1) for r in out.router_logits], dim=1)  # [T, L, E]
+    return probs.topk(top_k, dim=-1).indices.sort(-1).values.numpy(), probs.numpy()
+
+
+def assert_routes_match(routes: np.ndarray, expected: np.ndarray, probs: np.ndarray) -> int:
+    """Sorted route rows equal the routers' top-k, except where the boundary experts tie. Returns mismatches."""
+    got = np.sort(routes.astype(np.int64), axis=-1)
+    mismatches = 0
+    for t, layer in zip(*np.nonzero((got != expected).any(-1)), strict=True):
+        p = probs[t, layer]
+        k = expected.shape[-1]
+        kth, next_ = np.sort(p)[::-1][k - 1], np.sort(p)[::-1][k]
+        assert kth - next_ < TIE_ATOL, f"route mismatch at token {t}, layer {layer}: {got[t, layer]} vs top-k"
+        assert set(got[t, layer]) - set(expected[t, layer]) <= set(np.nonzero(np.abs(p - kth) < TIE_ATOL)[0])
+        mismatches += 1
+    return mismatches
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "small-moe"])
+async def test_routes_match_router_topk_on_rerun(preset):
+    engine = make_engine(build_model(preset, seed=5))
+    cfg = engine.model.config
+    params = SamplingParams(n=2, max_new_tokens=9, temperature=1.0, seed=4)
+    groups = await engine.generate(prompt_ids(), params)
+    ties = 0
+    for prompt, group in zip(prompt_ids(), groups, strict=True):
+        for c in group:
+            run = np.concatenate([prompt, c.token_ids[:-1]])  # the last sampled token is never run
+            assert c.routes.dtype == np.uint8
+            assert c.routes.shape == (run.size, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+            expected, probs = router_topk(engine.model, run, cfg.num_experts_per_tok)
+            ties += assert_routes_match(c.routes, expected, probs)
+    assert ties <= 2
+
+
+async def generate_with_midswap(engine, prompts, params, tensors, version, at_forward):
+    """Generate while ``tensors`` get staged from this event loop once the model ran ``at_forward + 1`` forwards.
+
+    The model's forward hook pauses the decode thread at that forward until the new version is
+    loaded in the standby, so the swap lands at a known step boundary.
+    """
+    reached, go = threading.Event(), threading.Event()
+    count = [0]
+
+    def hook(module, args, output):
+        if count[0] == at_forward:
+            reached.set()
+            assert go.wait(30), "test timed out staging weights"
+        count[0] += 1
+
+    handle = engine.model.register_forward_hook(hook)
+    try:
+        task = asyncio.create_task(engine.generate(prompts, params), name="generate")
+        assert await asyncio.to_thread(reached.wait, 30)
+        engine.stage_weights(tensors, version)  # from the event loop's thread, while decoding
+        assert await asyncio.to_thread(engine.wait_staged, version, 30)
+        assert engine.version < version, "the swap must wait for the decode step boundary"
+        go.set()
+        return await task
+    finally:
+        go.set()
+        handle.remove()
+
+
+async def test_versions_and_outputs_across_a_midsequence_swap():
+    old_model, new_model = peaked_model(seed=0), peaked_model(seed=1)
+    new_sd = {k: v.clone() for k, v in new_model.state_dict().items()}
+    engine = make_engine(peaked_model(seed=0), stop_on_eos=False)
+    engine.stage_weights({k: v.clone() for k, v in old_model.state_dict().items()}, 0)
+    assert await engine.wait_applied(0, timeout_s=30)
+    assert engine.version == 0
+
+    max_new, at = 10, 2
+    params = SamplingParams(n=2, max_new_tokens=max_new, temperature=0.0)
+    prompts = prompt_ids()
+    groups = await generate_with_midswap(engine, prompts, params, new_sd, 1, at)
+    assert engine.version == 1 and await engine.wait_applied(1, timeout_s=0)
+    assert engine.last_swap_pause_s < 0.01
+    # Forwards 0..at ran on version 0 and sampled tokens 0..at; every later token came from version 1.
+    expected_versions = np.array([0] * (at + 1) + [1] * (max_new - at - 1), dtype=np.int32)
+    cfg = new_model.config
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            assert c.finish_reason == "length" and np.array_equal(c.versions, expected_versions)
+            # Reference: the old weights fill the KV cache up to token `at - 1`, the new weights continue it.
+            cache = DynamicCache(config=cfg)
+            prefix = torch.from_numpy(np.concatenate([prompt, c.token_ids[:at]]).astype(np.int64))[None]
+            with torch.inference_mode():
+                old_model(prefix, past_key_values=cache, use_cache=True)
+                for j in range(at, max_new - 1):
+                    out = new_model(
+                        torch.tensor([[int(c.token_ids[j])]]), past_key_values=cache, use_cache=True,
+                        output_router_logits=True,
+                    )  # fmt: skip
+                    lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+                    assert int(lp.argmax()) == int(c.token_ids[j + 1]), f"token {j + 1} after the swap"
+                    assert abs(float(lp.max()) - float(c.logprobs[j + 1])) < LOGPROB_ATOL
+                    probs = torch.stack([torch.softmax(r.float(), -1) for r in out.router_logits], dim=1)
+                    top = probs.topk(cfg.num_experts_per_tok, -1).indices.sort(-1).values.numpy()
+                    assert_routes_match(c.routes[prompt.size + j][None], top, probs.numpy())
+
+    # A request started after the swap is exactly what a fresh engine on the new weights generates.
+    after = await engine.generate(prompts, params)
+    fresh = await make_engine(new_model, stop_on_eos=False).generate(prompts, params)
+    for ga, gf in zip(after, fresh, strict=True):
+        for ca, cf in zip(ga, gf, strict=True):
+            assert np.array_equal(ca.token_ids, cf.token_ids)
+            np.testing.assert_allclose(ca.logprobs, cf.logprobs, atol=LOGPROB_ATOL)
+            assert (ca.versions == 1).all() and np.array_equal(ca.routes, cf.routes)
+
+
+async def test_swap_pause_does_not_grow_with_model_size():
+    pauses = {}
+    for name, config in {
+        "tiny": tiny_moe_config(),
+        "larger": tiny_moe_config(hidden_size=256, moe_intermediate_size=512, num_experts=8, num_hidden_layers=4),
+    }.items():
+        engine = make_engine(build_model(config, seed=0))
+        new = {k: v.clone() for k, v in build_model(config, seed=1).state_dict().items()}
+        params = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, seed=0)
+        groups = await generate_with_midswap(engine, prompt_ids(), params, new, 3, at_forward=1)
+        assert engine.version == 3
+        assert all(c.versions.tolist() == [-1, -1, 3, 3, 3, 3][: c.versions.size] for g in groups for c in g)
+        pauses[name] = engine.last_swap_pause_s
+        num_params = sum(p.numel() for p in engine.model.parameters())
+        assert name == "tiny" or num_params > 20 * 224_000
+        await engine.close()
+    assert max(pauses.values()) < 0.01, pauses
+
+
+async def test_stage_weights_checks_and_checkpoint_names(tmp_path):
+    engine = make_engine(peaked_model(seed=0))
+    good = {k: v.clone() for k, v in peaked_model(seed=2).state_dict().items()}
+    with pytest.raises(ValueError, match="unknown weight name"):
+        engine.stage_weights({**good, "model.extra.weight": torch.zeros(1)}, 1)
+    bad_shape = dict(good, **{"lm_head.weight": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match=r"lm_head.weight has shape \(3, 3\)"):
+        engine.stage_weights(bad_shape, 1)
+    missing = {k: v for k, v in good.items() if k != "model.norm.weight"}
+    with pytest.raises(ValueError, match="incomplete .*model.norm.weight"):
+        engine.stage_weights(missing, 1)
+    assert engine.version == -1
+
+    # The per-expert names save_pretrained writes (and vLLM loads) are accepted too.
+    src = peaked_model(seed=2)
+    path = save_pretrained_dir(tmp_path / "m", src)
+    checkpoint = load_file(str(path / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in checkpoint
+    engine.stage_weights(checkpoint, 4)
+    assert await engine.wait_applied(4, timeout_s=30)
+    sd = engine.model.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in src.state_dict().items())
+    with pytest.raises(ValueError, match="not newer"):
+        engine.stage_weights(good, 4)
+    assert not await engine.wait_applied(5, timeout_s=0.05)
+    await engine.close()
+
+
+async def test_bad_prompts_and_config_are_named():
+    engine = make_engine(build_model("tiny-moe"))
+    with pytest.raises(ValueError, match=r"prompts\[1\] has token ids outside"):
+        await engine.generate([np.array([1, 5]), np.array([1, 999])], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be a non-empty 1-D integer array"):
+        await engine.generate([np.array([], dtype=np.int32)], SamplingParams())
+    with pytest.raises(ValueError, match="engine.device"):
+        TorchEngineConfig(device="tpu")
+    with pytest.raises(ValueError, match="engine.max_batch_sequences"):
+        TorchEngineConfig(max_batch_sequences=0)
+
+
+def test_sample_tokens_truncation():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 2000)
+    gen = torch.Generator().manual_seed(0)
+    tokens, lps = sample_tokens(logits, SamplingParams(temperature=1.0, top_k=2), gen)
+    assert set(tokens.tolist()) == {0, 1}
+    p0 = 1 / (1 + np.exp(-1.0))
+    np.testing.assert_allclose(lps[tokens == 0].numpy(), np.log(p0), atol=1e-6)
+    tokens, lps = sample_tokens(logits, SamplingParams(temperature=0.5, top_p=0.5), gen)
+    assert set(tokens.tolist()) == {0} and float(lps.abs().max()) < 1e-6  # one token holds > 0.5 of the mass
+    tokens, lps = sample_tokens(logits[:1], SamplingParams(temperature=0.0), gen)
+    assert int(tokens[0]) == 0 and float(lps[0]) == pytest.approx(float(torch.log_softmax(logits[0], -1)[0]))
