@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from async_rl.algorithms.config import CorrectionConfig
+from async_rl.algorithms.metrics import masked_extremes
 
 
 @dataclass(slots=True)
@@ -35,7 +36,8 @@ class CorrectionResult:
     keep: torch.Tensor
     """bool ``[B, T]``: loss-mask tokens that survived every mask."""
     metrics: dict[str, torch.Tensor]
-    """0-d tensors: ``*_frac`` are fractions of the micro-batch's response tokens, ``*_count`` are counts."""
+    """0-d tensors: ``*_frac`` are fractions of the micro-batch's response tokens, ``*_count`` are counts,
+    ``*_max`` / ``*_min`` are ±inf when the micro-batch has no response token (:func:`to_floats` drops them)."""
 
 
 def _outside(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
@@ -85,11 +87,8 @@ def apply_corrections(log_ratio: torch.Tensor, loss_mask: torch.Tensor, cfg: Cor
         weights = ones
     weights = torch.where(mask, weights, torch.zeros_like(weights))
     if cfg.tis != "off":
-        w_on = weights[mask]
-        metrics["tis_weight_mean"] = w_on.sum() / num_tokens
-        if w_on.numel():
-            metrics["tis_weight_max"] = w_on.max()
-            metrics["tis_weight_min"] = w_on.min()
+        metrics["tis_weight_mean"] = weights.sum() / num_tokens
+        metrics |= masked_extremes(weights, mask, "tis_weight")
 
     if cfg.sequence_mask != "off":
         if cfg.sequence_mask == "geometric":
