@@ -166,8 +166,13 @@ class TorchBackend(TrainingBackend):
         return self._num_moe_layers
 
     def _replay(self, model: nn.Module, mb: MicroBatch, replay: bool):
-        if not replay or self._num_moe_layers == 0 or all(r is None for r in mb.routes):
+        if not replay or all(r is None for r in mb.routes):
             return nullcontext()
+        if self._num_moe_layers == 0:
+            raise ValueError(
+                "micro-batch carries MoE routes but the model has no router async_rl.hf_moe can replay "
+                "(dense model, or an unsupported MoE router); pass replay_routes=False or drop the routes"
+            )
         routes = pack_routes(mb.routes, int(mb.input_ids.shape[1]), self._num_moe_layers, self._top_k,
                              device=self.device)  # fmt: skip
         return replay_routes(model, routes)

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 from actors.learner.backend import ForwardOutput, MicroBatch, TrainSample
 from actors.learner.batching import BatchingConfig, collate, make_micro_batches
 from actors.learner.torch_backend import TorchBackend, TorchBackendConfig, aggregate_metrics
+from async_rl.algorithms.config import AlgorithmConfig
+from async_rl.algorithms.loss import make_loss_fn
 from async_rl.hf_moe import find_moe_layers, record_routes
 
 VOCAB = 32
@@ -238,3 +240,31 @@ def test_reference_model_stays_frozen_and_dense_models_train() -> None:
         no_ref.forward_logprobs(mb, reference=True)
     with pytest.raises(ValueError, match="at least one micro-batch"):
         no_ref.train_step([], pg_loss)
+
+
+def test_real_loss_fn_and_non_finite_steps_are_skipped() -> None:
+    backend = _backend(_moe_model(), lr=1e-3, grad_clip=1.0)
+    samples = _samples(6, seed=8)
+    mbs = make_micro_batches(samples, BatchingConfig(micro_batch_tokens=32))
+    res = backend.train_step(mbs, make_loss_fn(AlgorithmConfig(), learner_version=0), with_entropy=True)
+    assert res.metrics["step_skipped"] == 0.0 and 0 < res.grad_norm < float("inf")
+    assert res.metrics["loss_tokens_count"] == sum(s.input_ids.size - s.prompt_len for s in samples)
+    assert "entropy_mean" in res.metrics and res.metrics["entropy_mean"] > 0
+    assert res.num_tokens == sum(s.input_ids.size for s in samples)
+
+    before = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
+
+    def nan_loss(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, m = pg_loss(out, mb)
+        return loss * float("nan"), m
+
+    res = backend.train_step(mbs, nan_loss)
+    assert res.metrics["step_skipped"] == 1.0 and not np.isfinite(res.grad_norm)
+    assert all(torch.equal(p, before[n]) for n, p in backend.model.named_parameters())
+
+    dense = _backend(_dense_model())
+    samples[0].routes = np.zeros((samples[0].input_ids.size - 1, 2, 2), np.uint8)
+    mb = collate(samples[:2], step_num_tokens=1, step_num_sequences=1)
+    with pytest.raises(ValueError, match="no router"):
+        dense.forward_logprobs(mb)
+    assert dense.forward_logprobs(mb, replay_routes=False).logprobs.shape == mb.input_ids.shape
