@@ -1,0 +1,607 @@
+"""MegatronBackend: the TrainingBackend on megatron-core (TP / PP / EP / CP / DP, router replay, HF export).
+
+Calling convention (multi-rank): every rank of the job calls the same methods in the same order
+(SPMD, as under ``torchrun``); the micro-batches of global rank 0 are broadcast and the others'
+arguments ignored, so only the main rank needs to read the stream. Each micro-batch's rows are split
+over data-parallel ranks (contiguous, sizes differing by at most one; an empty share runs one masked
+dummy row so expert-parallel all-to-alls stay matched). Results come back on every rank.
+
+Loss scaling (see :mod:`actors.learner.backend`): the loss function returns this micro-batch's share
+of the step loss with step-global denominators. We run megatron-core with
+``calculate_per_token_loss=True`` (no division by the number of micro-batches, DDP gradient scaling
+1.0 = a *sum* over data-parallel ranks) and a ``finalize_model_grads`` that ignores the token count
+(no division by tokens), so the gradient is exactly the sum the contract asks for. With context
+parallelism every CP rank computes the same full-sequence loss from all-gathered logprobs, and the
+gather's backward keeps only the rank's own positions, so the CP gradient sum is exact as well.
+
+Sequence packing: the local (non-TE) attention has no packed-sequence (THD) support, so micro-batches
+are right-padded ``[B, T]`` with a causal mask (pads never influence real tokens) and padded to a
+multiple of ``2*CP`` (and TP under sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from actors.learner.backend import ForwardOutput, LossFn, MicroBatch, StepResult, TrainingBackend
+from actors.learner.megatron import replay
+from actors.learner.megatron.config import MegatronConfig
+from actors.learner.megatron.convert import (
+    ModelArch,
+    RankNaming,
+    global_name,
+    hf_to_mcore,
+    local_state,
+    mcore_to_hf,
+    tp_kind,
+    unshard,
+)
+from actors.learner.megatron.launch import init_distributed
+from actors.learner.megatron.routes import (
+    PipelineSplit,
+    TokenSplit,
+    moe_indices_on_stage,
+    replay_indices,
+    scatter_recorded,
+)
+from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
+
+
+def _te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(slots=True)
+class _Item:
+    """One rank's share of one micro-batch, ready for the forward step."""
+
+    rows: np.ndarray
+    """Row indices of the original micro-batch held here (empty for a dummy share)."""
+    mb: MicroBatch
+    """The share as a padded micro-batch on the GPU (full sequence length ``T``)."""
+    input_ids: torch.Tensor
+    """int64 ``[b, T_local]``: this CP rank's positions."""
+    position_ids: torch.Tensor
+    """int64 ``[b, T_local]``."""
+    labels: torch.Tensor
+    """int64 ``[b, T_local]``: next token of each local position (0 past the end)."""
+    positions: torch.Tensor
+    """int64 ``[T_local]``: global positions of this CP rank, in local order."""
+    replay: list[np.ndarray] | None
+    """Per-router ``[rows, top_k]`` indices to replay, or None (free routing)."""
+
+
+class _CPGather(torch.autograd.Function):
+    """All-gather a ``[b, T_local]`` tensor over CP into ``[b, T]``; backward keeps this rank's positions only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, positions: torch.Tensor, seq_len: int, group) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        world = torch.distributed.get_world_size(group)
+        xs = [torch.empty_like(x) for _ in range(world)]
+        ps = [torch.empty_like(positions) for _ in range(world)]
+        torch.distributed.all_gather(xs, x.contiguous(), group=group)
+        torch.distributed.all_gather(ps, positions.contiguous(), group=group)
+        out = x.new_zeros(x.shape[0], seq_len)
+        for xi, pi in zip(xs, ps, strict=True):
+            out[:, pi] = xi
+        ctx.save_for_backward(positions)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
+        (positions,) = ctx.saved_tensors
+        return grad[:, positions], None, None, None
+
+
+def _token_stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, tp_group, tp_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """log p(label) and (optionally) entropy per position from vocab-parallel logits ``[b, s, V/tp]`` (fp32)."""
+    logits = logits.float()
+    if tp_size == 1:
+        logp = torch.log_softmax(logits, dim=-1)
+        lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
+        return lp, ent
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    lp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels)
+    ent = None
+    if with_entropy:
+        m = logits.detach().max(dim=-1).values
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+        z = logits - m.unsqueeze(-1)
+        se = reduce_from_tensor_model_parallel_region(z.exp().sum(-1))
+        p = z.exp() / se.unsqueeze(-1)
+        ent = se.log() - reduce_from_tensor_model_parallel_region((p * z).sum(-1))
+    return lp, ent
+
+
+class MegatronBackend(TrainingBackend):
+    """A megatron-core GPTModel built from a Hugging Face config, with optimizer and router replay."""
+
+    name = "megatron"
+    cfg: MegatronConfig
+    arch: ModelArch
+    split: PipelineSplit
+    tokens: TokenSplit
+    moe_idx: list[int]
+    naming: RankNaming
+    te_spec: bool
+    dtype: torch.dtype
+    device: torch.device
+
+    def __init__(self, cfg: MegatronConfig, hf_config: object, hf_state_dict: Mapping[str, torch.Tensor] | None = None
+                 ) -> None:  # fmt: skip
+        from megatron.core import parallel_state as ps
+
+        self.cfg = cfg
+        self.arch = ModelArch.from_hf_config(hf_config)
+        init_distributed(cfg)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+        if cfg.spec == "te" and not _te_available():
+            raise ValueError("learner.megatron.spec='te' but transformer_engine is not installed")
+        self.te_spec = cfg.spec == "te" or (cfg.spec == "auto" and _te_available())
+        if cfg.context_parallel > 1 and not self.te_spec:
+            raise ValueError("learner.megatron.context_parallel > 1 needs the Transformer Engine spec (TE attention)")
+        if self.arch.vocab_size % cfg.tensor_parallel:
+            raise ValueError(
+                f"vocab size {self.arch.vocab_size} is not divisible by tensor_parallel={cfg.tensor_parallel}"
+            )
+        if self.arch.num_experts and self.arch.num_experts % cfg.expert_parallel:
+            raise ValueError(f"{self.arch.num_experts} experts do not split over expert_parallel={cfg.expert_parallel}")
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.etp_rank = ps.get_expert_tensor_parallel_rank()
+        self.etp_size = ps.get_expert_tensor_parallel_world_size()
+        self.is_first = ps.is_pipeline_first_stage()
+        self.is_last = ps.is_pipeline_last_stage()
+        self.split = PipelineSplit(num_layers=self.arch.num_layers, pp_size=cfg.pipeline_parallel,
+                                   first_stage_layers=cfg.first_stage_layers, last_stage_layers=cfg.last_stage_layers)  # fmt: skip
+        self.tokens = TokenSplit(cp_size=cfg.context_parallel, cp_rank=self.cp_rank, tp_size=cfg.tensor_parallel,
+                                 tp_rank=self.tp_rank, sequence_parallel=cfg.sequence_parallel)  # fmt: skip
+        self.moe_idx = moe_indices_on_stage(self.split, self.pp_rank, self.arch.moe_layers)
+        local_experts = self.arch.num_experts // cfg.expert_parallel if self.arch.num_experts else 0
+        self.naming = RankNaming(
+            layer_offset=self.split.offset(self.pp_rank), num_local_layers=self.split.num_layers_on(self.pp_rank),
+            expert_offset=self.ep_rank * local_experts, num_local_experts=local_experts, te_spec=self.te_spec,
+            grouped_experts=self.te_spec, has_embedding=self.is_first, has_output=self.is_last,
+        )  # fmt: skip
+        self.tc = self._transformer_config()
+        if cfg.router_replay and self.arch.num_experts:
+            replay.check_replay_config(self.tc)
+            replay.reset_instances()
+        self.gpt = self._build_model()
+        if self.arch.num_experts and cfg.router_replay and replay.num_routers() != len(self.moe_idx):
+            raise RuntimeError(
+                f"built {replay.num_routers()} routers on pipeline stage {self.pp_rank}, host-side split expects "
+                f"{len(self.moe_idx)}: megatron's layer placement and PipelineSplit disagree"
+            )
+        if hf_state_dict is not None:
+            self._load_global(hf_to_mcore(hf_state_dict, self.arch))
+        self._build_ddp_and_optimizer()
+
+    # ------------------------------------------------------------------------------------------ building
+
+    def _transformer_config(self):  # type: ignore[no-untyped-def]
+        import torch.nn.functional as F
+        from megatron.core.transformer import TransformerConfig
+
+        a, c = self.arch, self.cfg
+        moe = dict(
+            num_moe_experts=a.num_experts, moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_router_topk=a.top_k,
+            moe_layer_freq=[1 if m else 0 for m in a.moe_layers], moe_router_pre_softmax=not a.norm_topk_prob,
+            moe_router_load_balancing_type=c.moe_router_load_balancing_type, moe_aux_loss_coeff=c.moe_aux_loss_coeff,
+            moe_router_score_function=c.moe_router_score_function, moe_router_fusion=c.moe_router_fusion,
+            moe_token_dispatcher_type="alltoall", moe_grouped_gemm=self.te_spec,
+            moe_enable_routing_replay=c.router_replay,
+        ) if a.num_experts else {}  # fmt: skip
+        if a.shared_expert_size:
+            moe.update(moe_shared_expert_intermediate_size=a.shared_expert_size, moe_shared_expert_gate=True)
+        recompute = (
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+            if c.recompute
+            else {}
+        )
+        tc = TransformerConfig(
+            num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_heads,
+            num_query_groups=a.num_kv_heads, kv_channels=a.head_dim, ffn_hidden_size=a.ffn_hidden_size,
+            normalization="RMSNorm", layernorm_epsilon=a.rms_eps, qk_layernorm=a.qk_norm, add_bias_linear=False,
+            add_qkv_bias=a.qkv_bias, gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0,
+            attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+            apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+            tensor_model_parallel_size=c.tensor_parallel, pipeline_model_parallel_size=c.pipeline_parallel,
+            expert_model_parallel_size=c.expert_parallel, expert_tensor_parallel_size=self.etp_size,
+            context_parallel_size=c.context_parallel, sequence_parallel=c.sequence_parallel,
+            num_layers_in_first_pipeline_stage=c.first_stage_layers, num_layers_in_last_pipeline_stage=c.last_stage_layers,
+            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype, pipeline_dtype=self.dtype,
+            variable_seq_lengths=c.pipeline_parallel > 1, calculate_per_token_loss=True,
+            init_method_std=0.02, **recompute, **moe,
+        )  # fmt: skip
+        return tc
+
+    def _build_model(self):  # type: ignore[no-untyped-def]
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(self.tc, use_transformer_engine=self.te_spec, normalization="RMSNorm",
+                                          pp_rank=self.pp_rank)  # fmt: skip
+        model = GPTModel(
+            config=self.tc, transformer_layer_spec=spec, vocab_size=self.arch.vocab_size,
+            max_sequence_length=self.arch.max_position_embeddings, pre_process=self.is_first,
+            post_process=self.is_last, share_embeddings_and_output_weights=self.arch.tie_embeddings,
+            position_embedding_type="rope", rotary_base=int(self.arch.rope_theta), parallel_output=True,
+        )  # fmt: skip
+        return model.to(self.device)
+
+    def _build_ddp_and_optimizer(self) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        def finalize(model, num_tokens=None, **kwargs):  # type: ignore[no-untyped-def]
+            return finalize_model_grads(model, None, **kwargs)  # sum, never divide by tokens (see module doc)
+
+        self.tc.finalize_model_grads_func = finalize
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=False)  # fmt: skip
+        self.ddp = DistributedDataParallel(config=self.tc, ddp_config=ddp_cfg, module=self.gpt)
+        c = self.cfg
+        oc = OptimizerConfig(optimizer="adam", lr=c.lr, min_lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,
+                             adam_beta2=c.adam_beta2, adam_eps=c.adam_eps, clip_grad=c.clip_grad,
+                             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype, use_distributed_optimizer=False)  # fmt: skip
+        self.optimizer = get_megatron_optimizer(oc, [self.ddp])
+        for g in self.optimizer.param_groups:
+            g["lr"] = c.lr
+            g["weight_decay"] = c.weight_decay * g.get("wd_mult", 1.0)
+
+    def _load_global(self, glob: Mapping[str, torch.Tensor]) -> None:
+        """Copy a global megatron state dict into this rank's parameters (TP/EP/PP slices)."""
+        local = local_state(glob, self.naming, self.arch, self.tp_rank, self.cfg.tensor_parallel,
+                            self.etp_rank, self.etp_size)  # fmt: skip
+        if self.arch.tie_embeddings and self.is_last and not self.is_first:
+            from actors.learner.megatron.convert import shard
+
+            local["output_layer.weight"] = shard("output_layer.weight", glob["embedding.word_embeddings.weight"],
+                                                 self.tp_rank, self.cfg.tensor_parallel)  # fmt: skip
+        params = dict(self.gpt.named_parameters())
+        missing = sorted(set(params) - set(local))
+        unknown = sorted(set(local) - set(params))
+        if missing or unknown:
+            raise ValueError(
+                f"weights do not match the model on this rank: missing {missing[:4]}, unknown {unknown[:4]}"
+            )
+        with torch.no_grad():
+            for name, p in params.items():
+                src = local[name]
+                if tuple(src.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(p.shape)}")
+                p.copy_(src.to(device=p.device, dtype=p.dtype))
+
+    def load_hf_weights(self, hf_state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace the model weights by HF-named weights (every rank passes the same dict) and reset fp32 masters."""
+        self._load_global(hf_to_mcore(hf_state_dict, self.arch))
+        self.optimizer.reload_model_params()
+
+    # ------------------------------------------------------------------------------------------ interface
+
+    @property
+    def is_main_rank(self) -> bool:
+        return torch.distributed.get_rank() == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.arch.num_moe_layers
+
+    def _broadcast(self, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
+        if torch.distributed.get_world_size() == 1:
+            return list(micro_batches)
+        box = [list(micro_batches) if self.is_main_rank else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]
+
+    def _share(self, mb: MicroBatch, replay_routes: bool) -> _Item:
+        """This rank's DP share of ``mb``, padded for CP/SP, with its replay indices cut on the host."""
+        rows = np.array_split(np.arange(mb.num_sequences), self.dp_size)[self.dp_rank]
+        t_real = int(mb.input_ids.shape[1])
+        seq = self.tokens.padded_length(t_real)
+        if rows.size:
+            idx = torch.from_numpy(rows)
+            pad = seq - t_real
+
+            def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+                if t is None:
+                    return None
+                return torch.nn.functional.pad(t[idx], (0, pad)) if pad else t[idx]
+
+            share = MicroBatch(
+                input_ids=cut(mb.input_ids), attention_mask=cut(mb.attention_mask), loss_mask=cut(mb.loss_mask),
+                behaviour_logprobs=cut(mb.behaviour_logprobs), advantages=cut(mb.advantages),
+                token_versions=cut(mb.token_versions), routes=[mb.routes[i] for i in rows],
+                step_num_tokens=mb.step_num_tokens, step_num_sequences=mb.step_num_sequences,
+                proximal_logprobs=cut(mb.proximal_logprobs), reference_logprobs=cut(mb.reference_logprobs),
+                group_ids=[mb.group_ids[i] for i in rows] if mb.group_ids else [],
+            )  # fmt: skip
+        else:  # an empty share still runs (matched all-to-alls); one fully masked row
+            z = torch.zeros(1, seq)
+            share = MicroBatch(
+                input_ids=z.long(), attention_mask=z.bool(), loss_mask=z.bool(), behaviour_logprobs=z.clone(),
+                advantages=z.clone(), token_versions=z.long(), routes=[None], step_num_tokens=mb.step_num_tokens,
+                step_num_sequences=mb.step_num_sequences,
+                proximal_logprobs=None if mb.proximal_logprobs is None else z.clone(),
+                reference_logprobs=None if mb.reference_logprobs is None else z.clone(),
+            )  # fmt: skip
+        ids = share.input_ids
+        labels = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+        positions = self.tokens.cp_positions(seq)
+        pos_t = torch.from_numpy(positions)
+        plan = None
+        if (
+            replay_routes
+            and self.cfg.router_replay
+            and self.arch.num_experts
+            and any(r is not None for r in share.routes)
+        ):
+            lengths = share.attention_mask.sum(dim=1).tolist()
+            plan = replay_indices(share.routes, seq_len=seq, positions=self.tokens.positions(seq), moe_indices=self.moe_idx,
+                                  num_moe_layers=self.arch.num_moe_layers, top_k=self.arch.top_k,
+                                  num_experts=self.arch.num_experts, lengths=lengths).per_layer()  # fmt: skip
+        dev = self.device
+        return _Item(
+            rows=rows, mb=share.to(dev), input_ids=ids[:, pos_t].to(dev), labels=labels[:, pos_t].to(dev),
+            position_ids=pos_t.unsqueeze(0).expand(ids.shape[0], -1).contiguous().to(dev), positions=pos_t.to(dev),
+            replay=plan,
+        )  # fmt: skip
+
+    def _forward_output(self, logits: torch.Tensor, item: _Item, with_entropy: bool) -> ForwardOutput:
+        from megatron.core import parallel_state as ps
+
+        if self.cfg.temperature != 1.0:
+            logits = logits.float() / self.cfg.temperature
+        lp, ent = _token_stats(logits, item.labels, with_entropy, ps.get_tensor_model_parallel_group(),
+                               self.cfg.tensor_parallel)  # fmt: skip
+        seq = item.mb.input_ids.shape[1]
+        if self.cfg.context_parallel > 1:
+            group = ps.get_context_parallel_group()
+            lp = _CPGather.apply(lp, item.positions, seq, group)
+            ent = None if ent is None else _CPGather.apply(ent, item.positions, seq, group)
+        # position t of the logits predicts token t+1: shift right so logprobs[:, t] belongs to input_ids[:, t].
+        valid = item.mb.attention_mask
+        lp = torch.nn.functional.pad(lp[:, :-1], (1, 0)).masked_fill(~valid, 0.0)
+        if ent is not None:
+            ent = torch.nn.functional.pad(ent[:, :-1], (1, 0)).masked_fill(~valid, 0.0)
+        return ForwardOutput(logprobs=lp, entropy=ent)
+
+    def _run_schedule(self, items: list[_Item], loss_func, *, forward_only: bool, replaying: bool,
+                      record: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
+        """One megatron pipeline schedule over ``items``; replay state cleared before and after."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        dev = self.device
+        driving = bool(self.arch.num_experts and self.cfg.router_replay)
+
+        def forward_step(data_iterator, model):  # type: ignore[no-untyped-def]
+            item = next(data_iterator)
+            plan = item.replay if replaying else None
+            if driving and not record:
+                replay.set_forward(plan, dev)
+            out = model(input_ids=item.input_ids, position_ids=item.position_ids, attention_mask=None)
+            if driving and not record and not forward_only:
+                out = replay.backward_switch(out, replaying=plan is not None)
+            return out, partial(loss_func, item)
+
+        seq = max(int(i.input_ids.shape[1]) for i in items)
+        fb = get_forward_backward_func()
+        with replay.schedule_scope() if driving else _null():
+            if record:
+                replay.set_record()
+            result = fb(forward_step_func=forward_step, data_iterator=iter(items), model=[self.ddp],
+                        num_microbatches=len(items), seq_length=seq,
+                        micro_batch_size=max(int(i.input_ids.shape[0]) for i in items), forward_only=forward_only)  # fmt: skip
+            recorded = replay.recorded() if record else None
+        return result, recorded
+
+    @torch.no_grad()
+    def forward_logprobs(self, mb: MicroBatch, *, replay_routes: bool = True, with_entropy: bool = False,
+                         reference: bool = False) -> ForwardOutput:  # fmt: skip
+        if reference:
+            raise ValueError("the Megatron backend keeps no reference model; compute reference logprobs elsewhere")
+        (mb,) = self._broadcast([mb])
+        item = self._share(mb, replay_routes)
+        got: list[ForwardOutput] = []
+
+        def collect(it: _Item, logits: torch.Tensor):  # type: ignore[no-untyped-def]
+            got.append(self._forward_output(logits, it, with_entropy))
+            return torch.zeros((), device=self.device), torch.ones((), dtype=torch.int, device=self.device), {}
+
+        self.ddp.eval()
+        try:
+            self._run_schedule([item], collect, forward_only=True, replaying=replay_routes)
+        finally:
+            self.ddp.train()
+        return self._gather_rows(mb, item, got[0] if got else None)
+
+    def _gather_rows(self, mb: MicroBatch, item: _Item, out: ForwardOutput | None) -> ForwardOutput:
+        """Reassemble ``[B, T]`` outputs from the last stage of every DP replica, on every rank."""
+        from megatron.core import parallel_state as ps
+
+        t = int(mb.input_ids.shape[1])
+        mine = None
+        if out is not None and self.tp_rank == 0 and self.cp_rank == 0 and item.rows.size:
+            ent = None if out.entropy is None else out.entropy[:, :t].float().cpu()
+            mine = (item.rows, out.logprobs[:, :t].float().cpu(), ent)
+        parts: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, mine)
+        del ps
+        lp = torch.zeros(mb.num_sequences, t)
+        ent = None
+        for p in parts:
+            if p is None:
+                continue
+            rows, plp, pent = p
+            lp[torch.from_numpy(rows)] = plp
+            if pent is not None:
+                ent = torch.zeros(mb.num_sequences, t) if ent is None else ent
+                ent[torch.from_numpy(rows)] = pent
+        return ForwardOutput(logprobs=lp, entropy=ent)
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, replay_routes: bool = True,
+                   with_entropy: bool = False) -> StepResult:  # fmt: skip
+        micro_batches = self._broadcast(micro_batches)
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        items = [self._share(mb, replay_routes) for mb in micro_batches]
+        metrics: list[tuple[dict[str, float], float]] = []
+
+        def loss_func(it: _Item, logits: torch.Tensor):  # type: ignore[no-untyped-def]
+            out = self._forward_output(logits, it, with_entropy)
+            loss, m = loss_fn(out, it.mb)
+            if self.tp_rank == 0 and self.cp_rank == 0 and it.rows.size:
+                metrics.append((dict(m), float(it.mb.loss_mask.sum())))
+            return loss, torch.ones((), dtype=torch.int, device=self.device), {}
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run_schedule(items, loss_func, forward_only=False, replaying=replay_routes)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("optimizer step skipped (non-finite gradients)")
+        parts: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, metrics)
+        avg = reduce_metrics([m if WEIGHT_KEY in m else {**m, WEIGHT_KEY: w} for p in parts for m, w in p or []])
+        num_tokens = sum(int(mb.num_tokens) for mb in micro_batches)
+        gn = float(grad_norm) if grad_norm is not None else math.nan
+        return StepResult(metrics=avg, grad_norm=gn, num_tokens=num_tokens)
+
+    @torch.no_grad()
+    def record_routes(self, mb: MicroBatch) -> list[np.ndarray]:
+        """This model's own routes for ``mb`` in the wire format (``[T_b, moe_layers, top_k]`` uint8/int16 per sample)."""
+        if not (self.arch.num_experts and self.cfg.router_replay):
+            raise ValueError("record_routes needs an MoE model built with learner.megatron.router_replay = true")
+        (mb,) = self._broadcast([mb])
+        item = self._share(mb, replay_routes=False)
+
+        def collect(it: _Item, logits: torch.Tensor):  # type: ignore[no-untyped-def]
+            return torch.zeros((), device=self.device), torch.ones((), dtype=torch.int, device=self.device), {}
+
+        self.ddp.eval()
+        try:
+            _, rec = self._run_schedule([item], collect, forward_only=True, replaying=False, record=True)
+            per_layer = [t.cpu().numpy() for t in rec]
+        finally:
+            self.ddp.train()
+        seq = int(item.mb.input_ids.shape[1])
+        mine = None
+        if item.rows.size:
+            mine = (item.rows, self.tokens.positions(seq), self.moe_idx, per_layer)
+        parts: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, mine)
+        full = np.full((mb.num_sequences, seq, self.arch.num_moe_layers, self.arch.top_k), -1, dtype=np.int64)
+        for p in parts:
+            if p is None:
+                continue
+            rows, positions, moe_idx, arrays = p
+            sub = full[rows]
+            scatter_recorded(arrays, batch=len(rows), positions=positions, moe_indices=moe_idx, full=sub)
+            full[rows] = np.where(sub >= 0, sub, full[rows])
+        dt = np.uint8 if self.arch.num_experts <= 256 else np.int16
+        lengths = mb.attention_mask.sum(dim=1).tolist()
+        out = [full[b, : int(n)].astype(dt) for b, n in enumerate(lengths)]
+        if any((o < 0).any() for o in [full[b, : int(n)] for b, n in enumerate(lengths)]):
+            raise RuntimeError("some positions/layers were recorded by no rank")
+        return out
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def export_global(self) -> dict[str, torch.Tensor] | None:
+        """Global megatron state dict (CPU, model dtype) on the main rank, None elsewhere. Rebuilt on every call."""
+        from megatron.core import parallel_state as ps
+
+        pieces: dict[str, torch.Tensor] = {}
+        for name, p in self.gpt.named_parameters():
+            g = global_name(name, self.naming, self.arch.moe_layers)
+            if g is None:
+                continue
+            if g == "output_layer.weight" and self.arch.tie_embeddings:
+                continue
+            expert = ".mlp.experts." in g
+            group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+            size = self.etp_size if expert else self.cfg.tensor_parallel
+            t = p.detach()
+            if size > 1 and tp_kind(g) != "replicated":
+                parts = [torch.empty_like(t) for _ in range(size)]
+                torch.distributed.all_gather(parts, t.contiguous(), group=group)
+                t = unshard(g, parts)
+            pieces[g] = t.cpu()
+        keep = self.tp_rank == 0 and self.cp_rank == 0 and self.etp_rank == 0
+        send = pieces if keep else None
+        world = torch.distributed.get_world_size()
+        if world == 1:
+            return pieces
+        box: list = [None] * world if self.is_main_rank else None
+        torch.distributed.gather_object(send, box, dst=0)
+        if not self.is_main_rank:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in box:
+            for k, v in (part or {}).items():
+                merged.setdefault(k, v)
+        return merged
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named weights (main rank); collective: every rank must call it. Conversion rebuilt on every call."""
+        glob = self.export_global()
+        if glob is None:
+            return iter(())
+        hf = mcore_to_hf(glob, self.arch, fused_experts=self.cfg.fused_experts_export)
+        return iter(sorted(hf.items()))
+
+    def save(self, directory: Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        rank = torch.distributed.get_rank()
+        torch.save({"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict()},
+                   directory / f"megatron_rank{rank:05d}.pt")  # fmt: skip
+        torch.distributed.barrier()
+
+    def load(self, directory: Path) -> None:
+        path = Path(directory) / f"megatron_rank{torch.distributed.get_rank():05d}.pt"
+        if not path.exists():
+            raise ValueError(f"no Megatron checkpoint for this rank at {path}")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.gpt.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.distributed.barrier()
+
+    def close(self) -> None:
+        if self.arch.num_experts and self.cfg.router_replay:
+            replay.reset_instances()
+        torch.cuda.empty_cache()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None

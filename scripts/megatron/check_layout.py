@@ -1,0 +1,143 @@
+"""Run one Megatron parallel layout on a small MoE and compare it with the single-GPU reference.
+
+    torchrun --nproc-per-node N scripts/megatron/check_layout.py --name pp2 --pp 2 --first-stage-layers 3 \
+        --out OUT/pp2.json --ref OUT/ref.pt
+
+Model: a 7-layer Qwen3-MoE (layer 0 dense, DeepSeek-style; 8 experts, top-2) in float32 with full
+activation recompute and router replay. With the same seeded weights and batch on every layout:
+
+* ``free``: logprobs with the model's own routing; ``replayed``: with the HF model's routes replayed;
+  ``recorded``: with the routes this layout itself recorded, replayed (must equal ``free`` exactly);
+* ``losses``: three optimizer steps (NLL, two micro-batches, replay on), losses and gradient norms;
+* ``export``: weights exported in HF names, reloaded into a fresh transformers model, logprobs
+  through the torch backend compared with the layout's own;
+* timing: step time and tokens/s of further steps (bf16 is not used: these are correctness runs).
+
+``--save-ref PATH`` (single GPU) writes the reference; ``--ref PATH`` compares against it within
+``--tol`` (float32; see tests/gpu/test_megatron_backend.py for the justification of 2e-4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--first-stage-layers", type=int, default=None)
+    ap.add_argument("--last-stage-layers", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=7)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--save-ref", type=Path, default=None)
+    ap.add_argument("--ref", type=Path, default=None)
+    ap.add_argument("--tol", type=float, default=2e-4)
+    ap.add_argument("--timed-steps", type=int, default=5)
+    args = ap.parse_args()
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    from actors.learner.megatron.backend import MegatronBackend
+    from actors.learner.megatron.config import MegatronConfig
+    from actors.learner.megatron.toy import build_hf, hf_routes, make_batch, nll_loss, toy_config, with_routes
+    from actors.learner.torch_backend import TorchBackend, TorchBackendConfig
+
+    cfg = toy_config(num_layers=args.layers, dense_first=True)
+    hf = build_hf(cfg, device="cuda")
+    lengths = [96, 80, 64, 51, 40, 33, 25, 12]
+    mb = make_batch(cfg, lengths, seed=11)
+    mb = with_routes(mb, hf_routes(hf, mb))
+    mcfg = MegatronConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
+                          context_parallel=args.cp, sequence_parallel=args.sp,
+                          first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
+                          dtype="float32", recompute=True, router_replay=True, lr=1e-3)  # fmt: skip
+    sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
+    meg = MegatronBackend(mcfg, hf.config, sd)
+    rank = torch.distributed.get_rank()
+    res: dict = {"name": args.name, "world_size": torch.distributed.get_world_size(), "device": torch.cuda.get_device_name(),
+                 "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "cp": args.cp, "sp": args.sp,
+                            "first_stage_layers": args.first_stage_layers, "last_stage_layers": args.last_stage_layers},
+                 "stage_moe_layers": meg.moe_idx}  # fmt: skip
+    free = meg.forward_logprobs(mb, replay_routes=False).logprobs
+    replayed = meg.forward_logprobs(mb, replay_routes=True).logprobs
+    rec = meg.record_routes(mb)
+    recorded = meg.forward_logprobs(with_routes(mb, rec), replay_routes=True).logprobs
+    res["recorded_replay_max_abs_diff"] = float((recorded - free).abs().max())
+    half = len(lengths) // 2
+    from actors.learner.backend import MicroBatch
+
+    def part(sl: slice) -> MicroBatch:
+        return MicroBatch(input_ids=mb.input_ids[sl], attention_mask=mb.attention_mask[sl], loss_mask=mb.loss_mask[sl],
+                          behaviour_logprobs=mb.behaviour_logprobs[sl], advantages=mb.advantages[sl],
+                          token_versions=mb.token_versions[sl], routes=mb.routes[sl], step_num_tokens=mb.step_num_tokens,
+                          step_num_sequences=mb.step_num_sequences)  # fmt: skip
+
+    mbs = [part(slice(0, half)), part(slice(half, None))]
+    steps = [meg.train_step(mbs, nll_loss, replay_routes=True) for _ in range(3)]
+    res["losses"] = [s.metrics["nll_per_token"] for s in steps]
+    res["grad_norms"] = [s.grad_norm for s in steps]
+    after = meg.forward_logprobs(mb, replay_routes=True).logprobs
+    exported = dict(meg.export_weights())
+    if rank == 0:
+        from transformers import Qwen3MoeForCausalLM
+
+        fresh = Qwen3MoeForCausalLM(cfg)
+        fresh.load_state_dict(exported, strict=True)
+        tb = TorchBackend(fresh, TorchBackendConfig(dtype="float32", device="cuda"))
+        reloaded = tb.forward_logprobs(mb, replay_routes=True).logprobs
+        m = mb.attention_mask.clone()
+        m[:, 0] = False
+        res["export_reload_max_abs_diff"] = float((after - reloaded).abs()[m].max())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.timed_steps):
+        meg.train_step(mbs, nll_loss, replay_routes=True)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / args.timed_steps
+    res["step_time_s"] = dt
+    res["tokens_per_s"] = int(mb.attention_mask.sum()) / dt
+    if rank == 0:
+        tensors = {"free": free, "replayed": replayed, "after": after, "losses": torch.tensor(res["losses"])}
+        if args.save_ref is not None:
+            torch.save(tensors, args.save_ref)
+        checks = {"recorded_replay_exact": res["recorded_replay_max_abs_diff"] == 0.0,
+                  "export_reload": res["export_reload_max_abs_diff"] < args.tol}  # fmt: skip
+        if args.ref is not None:
+            ref = torch.load(args.ref)
+            m = mb.attention_mask.clone()
+            m[:, 0] = False
+            for k in ("free", "replayed", "after"):
+                d = float((tensors[k] - ref[k]).abs()[m].max())
+                res[f"vs_ref_{k}_max_abs_diff"] = d
+                checks[f"vs_ref_{k}"] = d < args.tol
+            dl = float((tensors["losses"] - ref["losses"]).abs().max())
+            res["vs_ref_losses_max_abs_diff"] = dl
+            checks["vs_ref_losses"] = dl < args.tol
+        res["checks"] = checks
+        res["passed"] = all(checks.values())
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=2))
+        print(json.dumps(res, indent=2))
+    meg.close()
+    torch.distributed.barrier()
+    from actors.learner.megatron.launch import shutdown
+
+    shutdown()
+    return 0 if rank != 0 or res["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())
+    sys.exit(main())
