@@ -9,6 +9,7 @@ weights) paired with the char-level tokenizer of :mod:`async_rl.tokenizer`:
 * ``tiny-dense``: the same shape with a dense MLP (Qwen3), for tests of dense paths.
 * ``small-moe``: 4 layers, hidden 128, 8 experts, top-2 (about 1.8M parameters).
 
+Head dimensions are 32 or more: vLLM's CPU attention backend takes head sizes 32, 64, 80, ...
 Anything else is a path to a local Hugging Face model directory (config, safetensors,
 tokenizer), loaded with ``local_files_only=True``. :func:`save_pretrained_dir` writes a
 preset as such a directory, so that vLLM and transformers can load it offline.
@@ -61,9 +62,9 @@ def tiny_moe_config(**overrides: object) -> Qwen3MoeConfig:
         intermediate_size=128,
         moe_intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
         num_experts=4,
         num_experts_per_tok=2,
         norm_topk_prob=True,
@@ -100,9 +101,9 @@ def tiny_dense_config(**overrides: object) -> Qwen3Config:
         hidden_size=64,
         intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
     )
     kw.update(overrides)
     return Qwen3Config(**kw)

@@ -460,6 +460,7 @@ class TorchEngine(Engine):
         versions_np = out_versions.cpu().numpy()
         len_np = out_len.cpu().numpy()
         stopped_np = stopped.cpu().numpy()
+        budgets_np = budgets.cpu().numpy()
         if routes:
             prompt_routes_np = prompt_routes.cpu().numpy()
             resp_routes_np = resp_routes.cpu().numpy()
@@ -468,7 +469,7 @@ class TorchEngine(Engine):
             n = int(len_np[b])
             if stopped_np[b]:
                 reason = "stop"
-            elif n >= int(budgets[b]):
+            elif n >= int(budgets_np[b]):
                 reason = "length"
             else:
                 reason = "abort" if finished_by_close else "length"

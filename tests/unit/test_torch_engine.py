@@ -45,9 +45,9 @@ def make_engine(model, **kw) -> TorchEngine:
 
 def reference_logprobs(model, prompt: np.ndarray, response: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Logprob of each response token under the processed distribution, from one full forward pass."""
-    full = torch.from_numpy(np.concatenate([prompt, response]).astype(np.int64))[None]
+    full = torch.from_numpy(np.concatenate([prompt, response]).astype(np.int64))[None].to(model.device)
     with torch.inference_mode():
-        logits = model(full).logits[0, prompt.size - 1 : prompt.size - 1 + response.size].double()
+        logits = model(full).logits[0, prompt.size - 1 : prompt.size - 1 + response.size].double().cpu()
     if params.temperature == 0:
         lp = torch.log_softmax(logits, -1)
     else:
@@ -122,8 +122,8 @@ async def test_greedy_is_deterministic_and_matches_hf_generate():
 def router_topk(model, tokens: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """The routers' own choices on a full re-run: (sorted top-k ids [T, L, K], probs [T, L, E])."""
     with torch.inference_mode():
-        out = model(torch.from_numpy(tokens.astype(np.int64))[None], output_router_logits=True)
-    probs = torch.stack([torch.softmax(r.float(), -1) for r in out.router_logits], dim=1)  # [T, L, E]
+        out = model(torch.from_numpy(tokens.astype(np.int64))[None].to(model.device), output_router_logits=True)
+    probs = torch.stack([torch.softmax(r.float().cpu(), -1) for r in out.router_logits], dim=1)  # [T, L, E]
     return probs.topk(top_k, dim=-1).indices.sort(-1).values.numpy(), probs.numpy()
 
 
@@ -304,3 +304,30 @@ def test_sample_tokens_truncation():
     assert set(tokens.tolist()) == {0} and float(lps.abs().max()) < 1e-6  # one token holds > 0.5 of the mass
     tokens, lps = sample_tokens(logits[:1], SamplingParams(temperature=0.0), gen)
     assert int(tokens[0]) == 0 and float(lps[0]) == pytest.approx(float(torch.log_softmax(logits[0], -1)[0]))
+
+
+@pytest.mark.gpu
+async def test_cuda_engine_logprobs_routes_and_midswap():
+    engine = make_engine(build_model("small-moe", seed=5), device="cuda")
+    assert engine.model.device.type == "cuda"
+    params = SamplingParams(n=4, max_new_tokens=12, temperature=0.8, top_k=8, seed=1)
+    groups = await engine.generate(prompt_ids(), params)
+    cfg = engine.model.config
+    worst = 0.0
+    for prompt, group in zip(prompt_ids(), groups, strict=True):
+        for c in group:
+            worst = max(
+                worst, float(np.abs(reference_logprobs(engine.model, prompt, c.token_ids, params) - c.logprobs).max())
+            )
+            run = np.concatenate([prompt, c.token_ids[:-1]])
+            expected, probs = router_topk(engine.model, run, cfg.num_experts_per_tok)
+            assert_routes_match(c.routes, expected, probs)
+    assert worst < LOGPROB_ATOL, worst
+    new = {k: v.clone() for k, v in build_model("small-moe", seed=6).state_dict().items()}  # CPU tensors
+    sampling = SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=0)
+    groups = await generate_with_midswap(engine, prompt_ids(), sampling, new, 1, at_forward=2)
+    assert all(c.versions.tolist() == [-1, -1, -1, 1, 1, 1, 1, 1][: c.versions.size] for g in groups for c in g)
+    assert engine.version == 1 and engine.last_swap_pause_s < 0.01
+    sd = engine.model.state_dict()
+    assert all(torch.equal(sd[k].cpu(), v) for k, v in new.items())
+    await engine.close()
