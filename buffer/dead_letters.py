@@ -80,9 +80,16 @@ class DeadLetters:
         payload_field: bytes,
         reason: str,
         counters_key: str,
+        payload: bytes | None = None,
+        delete_keys: tuple[str, ...] = (),
     ) -> str:
-        """Move one entry of ``source_stream`` (pending in ``group``) to the dead letters; returns its new id."""
-        payload = (fields or {}).get(payload_field)
+        """Move one entry of ``source_stream`` (pending in ``group``) to the dead letters; returns its new id.
+
+        ``payload`` overrides the entry's ``payload_field`` (a record stored under its own key);
+        ``delete_keys`` are deleted in the same transaction (that key).
+        """
+        if payload is None:
+            payload = (fields or {}).get(payload_field)
         size = len(payload) if payload is not None else 0
         letter: dict[str, Any] = {
             "reason": reason,
@@ -100,6 +107,8 @@ class DeadLetters:
             pipe.xack(source_stream, group, source_id)
             pipe.xdel(source_stream, source_id)
             pipe.hincrby(counters_key, "dead_letters", 1)
+            if delete_keys:
+                pipe.delete(*delete_keys)
             res = await pipe.execute()
         return res[0].decode() if isinstance(res[0], bytes) else str(res[0])
 

@@ -154,20 +154,27 @@ class PromptQueue:
         if not consumer or consumer == RELEASED_CONSUMER:
             raise ValueError(f"consumer name {consumer!r} is empty or reserved")
         await self._ensure_group()
-        out = await self._reclaim(consumer, count)
-        if out:
-            return out
-        raw = await read_group(
-            self.redis, self.names.prompts_stream, self.names.prompts_group, consumer, ">", count, block_ms
-        )
-        return await self._decode(raw, consumer, reclaimed=False)
+        stream, group = self.names.prompts_stream, self.names.prompts_group
+        out = await self._reclaim(consumer, count, force=False)
+        if not out:
+            out = await self._decode(
+                await read_group(self.redis, stream, group, consumer, ">", count, 0), consumer, False
+            )
+        if not out:  # nothing new: look for released or abandoned prompts now, then wait for new ones
+            out = await self._reclaim(consumer, count, force=True)
+        if not out and block_ms > 0:
+            raw = await read_group(self.redis, stream, group, consumer, ">", count, block_ms)
+            out = await self._decode(raw, consumer, reclaimed=False)
+        return out
 
-    async def _reclaim(self, consumer: str, count: int) -> list[PromptEntry]:
+    async def _reclaim(self, consumer: str, count: int, force: bool) -> list[PromptEntry]:
         # One pass over the pending list at most: the cursor wraps to 0-0 when it reaches the end.
         out: list[PromptEntry] = []
         start = self._reclaimer.cursor
         while len(out) < count:
-            raw = await self._reclaimer.claim(self.redis, consumer, self.cfg.reclaim_idle_ms, count - len(out))
+            raw = await self._reclaimer.claim(
+                self.redis, consumer, self.cfg.reclaim_idle_ms, count - len(out), force=force and not out
+            )
             # Prompts this process still works on look idle too: they are not abandoned.
             raw = [(e, f) for e, f in raw if self._in_flight.get(e) != consumer]
             if raw:

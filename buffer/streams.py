@@ -8,12 +8,16 @@ longer than a bound.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
+
+# Longest pause between two scans of a pending list for abandoned entries.
+MAX_RESCAN_S = 5.0
 
 RawEntry = tuple[str, dict[bytes, bytes] | None]
 """``(entry id, fields)``; fields is None for an entry deleted while it was pending."""
@@ -77,15 +81,28 @@ class Reclaimer:
     """Consumer group."""
     cursor: str = "0-0"
     """Where the next ``XAUTOCLAIM`` scan starts; wraps to ``0-0`` at the end of the pending list."""
+    next_scan_at: float = 0.0
+    """Monotonic time before which a new scan from ``0-0`` is skipped (see :meth:`claim`)."""
 
-    async def claim(self, redis: aioredis.Redis, consumer: str, min_idle_ms: int, count: int) -> list[RawEntry]:
+    async def claim(
+        self, redis: aioredis.Redis, consumer: str, min_idle_ms: int, count: int, force: bool = False
+    ) -> list[RawEntry]:
         """Entries idle longer than ``min_idle_ms`` on any consumer, now owned by ``consumer``.
 
+        Once a scan has wrapped around the pending list, the next one starts no sooner than
+        ``min_idle_ms / 4`` (at most :data:`MAX_RESCAN_S`) later: nothing can become reclaimable
+        faster than that matters, and a hot read loop saves a round trip per read. ``force`` scans
+        anyway (callers do when there is nothing new to read: an idle reader looks for released work).
         Entries deleted while pending come back with fields None (Redis 6.2) or are dropped from
         the pending list by the server (Redis >= 7); either way they carry no data.
         """
+        now = time.monotonic()
+        if self.cursor == "0-0" and now < self.next_scan_at and not force:
+            return []
         resp = await redis.xautoclaim(self.stream, self.group, consumer, min_idle_ms, start_id=self.cursor, count=count)
         self.cursor = sid(resp[0])
+        if self.cursor == "0-0":
+            self.next_scan_at = now + min(min_idle_ms / 4000, MAX_RESCAN_S)
         return parse_entries(resp[1])
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from async_rl.names import Names
 from async_rl.wire_types import GroupRecord, Sample
 
 
@@ -158,11 +159,9 @@ def decode_b64json(data: bytes) -> list[np.ndarray]:
 
 
 # ---- runs ----------------------------------------------------------------------------------
-async def _run_ours(redis: Any, prefix: str, recs: list[GroupRecord], batch: int) -> float:
-    from async_rl.names import Names
+async def _run_ours(redis: Any, names: Names, recs: list[GroupRecord], batch: int) -> float:
     from buffer.rollouts import RolloutReader, RolloutWriter, RolloutWriterConfig
 
-    names = Names(prefix=prefix)
     writer = RolloutWriter(redis, names, RolloutWriterConfig(max_backlog=max(batch, 1) * 4))
     reader = RolloutReader(redis, names)
     await reader.read("bench", count=1)  # creates the group; nothing to read yet
@@ -182,12 +181,12 @@ async def _run_ours(redis: Any, prefix: str, recs: list[GroupRecord], batch: int
     return elapsed
 
 
-async def _run_kv(redis: Any, prefix: str, recs: list[GroupRecord], batch: int, enc: Any, dec: Any) -> float:
+async def _run_kv(redis: Any, names: Names, recs: list[GroupRecord], batch: int, enc: Any, dec: Any) -> float:
     """SET / GET / DEL of ``enc(rec)``, ``dec`` on what comes back; ``enc=None``: pre-built raw blobs."""
     blobs = [b"".join(a.tobytes() for a in _arrays(r)) for r in recs] if enc is None else None
     t0 = time.perf_counter()
     for i in range(0, len(recs), batch):
-        keys = [f"{prefix}:{j}" for j in range(i, min(i + batch, len(recs)))]
+        keys = [names.key("kv", j) for j in range(i, min(i + batch, len(recs)))]
         for j, k in zip(range(i, i + len(keys)), keys, strict=True):
             await redis.set(k, blobs[j] if blobs is not None else enc(recs[j]))
         for k in keys:
@@ -251,16 +250,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         json_recs = recs[: args.json_groups]
         nbytes = group_bytes(recs[0])
         prefix = f"bench-buffer-{os.getpid()}"
+        ours, raw, b64, js = (Names(prefix=f"{prefix}-{v}") for v in ("ours", "raw", "b64json", "json"))
         results: dict[str, list[float]] = {"ours": [], "raw": [], "json": [], "b64json": []}
         for _ in range(args.repeats):
-            results["raw"].append(len(recs) / await _run_kv(redis, prefix + ":raw", recs, args.batch, None, None))
-            results["ours"].append(len(recs) / await _run_ours(redis, prefix + ":ours", recs, args.batch))
+            results["raw"].append(len(recs) / await _run_kv(redis, raw, recs, args.batch, None, None))
+            results["ours"].append(len(recs) / await _run_ours(redis, ours, recs, args.batch))
             results["b64json"].append(
-                len(recs) / await _run_kv(redis, prefix + ":b64", recs, args.batch, encode_b64json, decode_b64json)
+                len(recs) / await _run_kv(redis, b64, recs, args.batch, encode_b64json, decode_b64json)
             )
         for _ in range(args.json_repeats):
             results["json"].append(
-                len(json_recs) / await _run_kv(redis, prefix + ":json", json_recs, args.batch, encode_json, decode_json)
+                len(json_recs) / await _run_kv(redis, js, json_recs, args.batch, encode_json, decode_json)
             )
         best = {k: max(v) for k, v in results.items()}
         gbps = {k: v * nbytes / 1e9 for k, v in best.items()}

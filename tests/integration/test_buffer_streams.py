@@ -216,3 +216,23 @@ async def test_decoded_record_is_zero_copy(redis_client, names):
     routes = e.record.samples[0].routes
     assert routes is not None and not routes.flags.writeable and not routes.flags.owndata
     assert decode_group(encode_group(e.record)).group_id == "g0"
+
+
+async def test_large_records_travel_beside_the_stream(redis_client, names):
+    w = RolloutWriter(redis_client, names, RolloutWriterConfig(inline_max_bytes=0))
+    r = RolloutReader(redis_client, names)
+    recs = [_group(i) for i in range(3)]
+    for rec in recs:
+        await w.append(rec)
+    payload_keys = [k async for k in redis_client.scan_iter(match=names.rollout_payload("*"))]
+    assert len(payload_keys) == 3
+    await redis_client.delete(payload_keys[0])  # a lost payload must not be lost silently
+    got = await r.read("learner", count=10)
+    assert len(got) == 2
+    for e in got:
+        assert encode_group(e.record) == encode_group(recs[int(e.record.group_id[1:])])
+    (letter,) = await DeadLetters(redis_client, names).read()
+    assert "is gone" in letter.reason and letter.generator == "bench"
+    await r.ack(got)
+    assert [k async for k in redis_client.scan_iter(match=names.rollout_payload("*"))] == []
+    assert await redis_client.xlen(names.rollouts_stream) == 0
