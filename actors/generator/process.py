@@ -1,0 +1,270 @@
+"""The generator process loop: prompts in, scored groups out, weights followed in the background.
+
+Tasks (named, in one TaskGroup): ``work`` (read prompts through the consumer group, generate,
+score, push one group record, ack the prompt only after the push), ``heartbeat`` (NATS),
+and the weight sync's own fetch/poll tasks. Control messages (pause/resume/drain/stop) and
+SIGTERM/SIGINT set events; shutdown has two phases: stop taking prompts and finish the batch
+in hand within ``drain_timeout_s``, then release whatever is still held so other generators
+take it at once. A SIGKILL loses nothing either: the prompts stay pending in the consumer
+group and other generators reclaim them after ``prompts.reclaim_idle_ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from actors.generator.config import GeneratorConfig
+from actors.generator.engine import Completion, Engine, SamplingParams
+from actors.generator.weight_sync import WeightSync
+from async_rl.control import Control, ControlPlane, Heartbeat, Message
+from async_rl.tasks.base import Task
+from async_rl.tasks.config import build_task
+from async_rl.transport import make_transport
+from async_rl.weights import WeightReader
+from async_rl.wire_types import GroupRecord, Sample
+from buffer.prompts import PromptEntry, PromptQueue
+from buffer.rollouts import RolloutWriter
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(cfg: GeneratorConfig) -> Engine:
+    if cfg.engine == "torch":
+        from actors.generator.torch_engine import TorchEngine
+
+        return TorchEngine(cfg.torch)
+    from actors.generator.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from async_rl.configurable import from_dict
+
+    return VLLMEngine(from_dict(VLLMEngineConfig, cfg.vllm, "generator.vllm"))
+
+
+class Generator:
+    """One generator process (see the module docstring)."""
+
+    cfg: GeneratorConfig
+    stop_event: asyncio.Event
+    """Set by SIGTERM/SIGINT or a 'stop'/'drain' control message: take no new prompts."""
+    resume_event: asyncio.Event
+    """Cleared while paused."""
+    num_prompts: int
+    num_tokens: int
+    state: str
+    _redis: aioredis.Redis | None
+    _control: ControlPlane | None
+    _engine: Engine | None
+    _sync: WeightSync | None
+    _task: Task | None
+    _held: list[PromptEntry]
+    _started_at: float
+    _abort_event: asyncio.Event
+
+    def __init__(self, cfg: GeneratorConfig) -> None:
+        self.cfg = cfg
+        self.stop_event = asyncio.Event()
+        self.resume_event = asyncio.Event()
+        self.resume_event.set()
+        self._abort_event = asyncio.Event()
+        self.num_prompts = 0
+        self.num_tokens = 0
+        self.state = "starting"
+        self._redis = None
+        self._control = None
+        self._engine = None
+        self._sync = None
+        self._task = None
+        self._held = []
+        self._started_at = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def setup(self) -> None:
+        cfg, names = self.cfg, self.cfg.run.names
+        assert cfg.run.redis_url and cfg.run.nats_url, "URLs are resolved by the entry point"
+        self._task = build_task(cfg.task)
+        self._redis = aioredis.Redis.from_url(cfg.run.redis_url)
+        self._control = await ControlPlane(cfg.run.nats_url, name=cfg.generator_id, cfg=cfg.control).connect()
+        await self._control.subscribe(names.control_subject, self._on_control, kinds=(Control,))
+        self._engine = await asyncio.to_thread(build_engine, cfg)
+        transport = make_transport(cfg.transport, cfg.run.redis_url, names)
+        reader = WeightReader(self._redis, transport, names, cfg.weight_sync.reader, reader_id=cfg.generator_id)
+        self._sync = WeightSync(self._engine, reader, names, cfg.weight_sync, self._control)
+        log.info("generator %s: engine %s ready; loading the newest weight version", cfg.generator_id, cfg.engine)
+        await self._sync.start()  # the newest complete version is applied before the first token
+        self.state = "running"
+
+    async def run(self) -> None:
+        await self.setup()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                work = tg.create_task(self._work_loop(), name="work")
+                beat = tg.create_task(self._heartbeat_loop(), name="heartbeat")
+                await work
+                beat.cancel()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        self.state = "stopping"
+        if self._held and self._redis is not None:
+            with contextlib.suppress(Exception):
+                await PromptQueue(self._redis, self.cfg.run.names, self.cfg.prompts).release(self._held)
+                log.info("released %d prompts to other generators", len(self._held))
+            self._held = []
+        if self._control is not None:
+            with contextlib.suppress(Exception):
+                await self._control.publish(self.cfg.run.names.heartbeat_subject, self._heartbeat())
+        if self._sync is not None:
+            await self._sync.close()
+        if self._engine is not None:
+            await self._engine.close()
+        if self._control is not None:
+            await self._control.close()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    def request_stop(self, abort: bool = False) -> None:
+        """First phase of shutdown: take no new prompts (abort: also give up the batch in hand)."""
+        if not self.stop_event.is_set():
+            log.info("generator %s stopping (%s)", self.cfg.generator_id, "abort" if abort else "drain")
+        self.stop_event.set()
+        self.resume_event.set()
+        if abort:
+            self._abort_event.set()
+        else:  # second phase: give up the batch in hand after the drain deadline
+            asyncio.get_running_loop().call_later(self.cfg.drain_timeout_s, self._abort_event.set)
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+
+    # ------------------------------------------------------------------ control plane
+    async def _on_control(self, msg: Message) -> None:
+        assert isinstance(msg, Control)
+        if not msg.applies_to(self.cfg.generator_id):
+            return
+        log.info("control %s (%s)", msg.action, msg.reason or "no reason given")
+        if msg.action == "pause":
+            self.resume_event.clear()
+            self.state = "paused"
+        elif msg.action == "resume":
+            self.resume_event.set()
+            self.state = "running"
+        elif msg.action == "drain":
+            self.state = "draining"
+            self.request_stop()
+        elif msg.action == "stop":
+            self.request_stop(abort=True)
+
+    def _heartbeat(self, tokens_per_s: float = 0.0) -> Heartbeat:
+        assert self._engine is not None
+        return Heartbeat(
+            generator_id=self.cfg.generator_id, engine=self.cfg.engine, version=self._engine.version,
+            tokens_per_s=tokens_per_s, in_flight=len(self._held), state=self.state,
+            weight_failures=self._sync.num_failures if self._sync else 0, started_at=self._started_at,
+        )  # fmt: skip
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._control is not None
+        subject = self.cfg.run.names.heartbeat_subject
+        last_tokens, last_t = self.num_tokens, time.monotonic()
+        while True:
+            now = time.monotonic()
+            rate = (self.num_tokens - last_tokens) / max(now - last_t, 1e-6)
+            last_tokens, last_t = self.num_tokens, now
+            try:
+                await self._control.publish(subject, self._heartbeat(rate))
+            except Exception as exc:  # retry boundary: NATS reconnects by itself
+                log.warning("heartbeat failed: %r", exc)
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+
+    # ------------------------------------------------------------------ work
+    async def _work_loop(self) -> None:
+        assert self._redis is not None and self._engine is not None
+        cfg = self.cfg
+        prompts = PromptQueue(self._redis, cfg.run.names, cfg.prompts)
+        writer = RolloutWriter(self._redis, cfg.run.names, cfg.rollouts)
+        while not self.stop_event.is_set():
+            if not self.resume_event.is_set():
+                await self.resume_event.wait()
+                continue
+            want = self._engine.max_batch_prompts
+            if cfg.max_prompts:
+                want = min(want, cfg.max_prompts - self.num_prompts)
+                if want <= 0:
+                    log.info("generator %s: max_prompts reached", cfg.generator_id)
+                    return
+            entries = await prompts.read(cfg.generator_id, want, block_ms=cfg.read_block_ms)
+            if not entries:
+                continue
+            self._held = list(entries)
+            await self._process(entries, prompts, writer)
+
+    async def _process(self, entries: list[PromptEntry], prompts: PromptQueue, writer: RolloutWriter) -> None:
+        """Generate, score and push every entry, acking each prompt right after its group is pushed."""
+        by_params: dict[tuple[int, int, float, float, int], list[PromptEntry]] = defaultdict(list)
+        for e in entries:
+            by_params[self._params_key(e)].append(e)
+        for (n, max_new, temperature, top_p, top_k), group in by_params.items():
+            params = SamplingParams(n=n, max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k)
+            t0 = time.time()
+            gen = asyncio.ensure_future(self._generate(group, params))
+            abort = asyncio.ensure_future(self._abort_event.wait())
+            done, _ = await asyncio.wait({gen, abort}, return_when=asyncio.FIRST_COMPLETED)
+            if gen not in done:
+                gen.cancel()
+                with contextlib.suppress(BaseException):
+                    await gen
+                return  # held prompts are released by close()
+            abort.cancel()
+            results = gen.result()
+            gen_s = time.time() - t0
+            for entry, completions in zip(group, results, strict=True):
+                record = self._record(entry, completions, gen_s)
+                await writer.append(record)
+                await asyncio.shield(prompts.ack([entry]))
+                self._held = [h for h in self._held if h.entry_id != entry.entry_id]
+                self.num_prompts += 1
+                self.num_tokens += sum(int(c.token_ids.size) for c in completions)
+
+    def _params_key(self, entry: PromptEntry) -> tuple[int, int, float, float, int]:
+        """Sampling parameters of a prompt: the learner's (sent with the prompt) over this generator's defaults."""
+        assert self._task is not None
+        d = self.cfg.sampling
+        sp = entry.spec.metadata.get("sampling") or {}
+        max_new = int(sp.get("max_new_tokens", 0) or d.default_max_new_tokens) or self._task.max_new_tokens
+        return (int(sp.get("n", d.default_n)), max_new, float(sp.get("temperature", d.temperature)),
+                float(sp.get("top_p", d.top_p)), int(sp.get("top_k", d.top_k)))  # fmt: skip
+
+    async def _generate(self, group: list[PromptEntry], params: SamplingParams) -> list[list[Completion]]:
+        assert self._engine is not None
+        return await self._engine.generate([e.spec.prompt_ids for e in group], params)
+
+    def _record(self, entry: PromptEntry, completions: list[Completion], gen_s: float) -> GroupRecord:
+        assert self._task is not None
+        spec = entry.spec
+        samples = []
+        for c in completions:
+            score = self._task.score(spec.metadata, c.token_ids)
+            samples.append(Sample(
+                response_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions, reward=float(score.reward),
+                finish_reason=c.finish_reason, routes=c.routes, reward_info=dict(score.info),
+            ))  # fmt: skip
+        meta: dict[str, Any] = {
+            "task": spec.metadata.get("task", ""), "issued_version": entry.issued_version,
+            "issued_at": entry.issued_at, "gen_s": round(gen_s, 4), "reclaimed": entry.reclaimed,
+        }  # fmt: skip
+        return GroupRecord(
+            group_id=spec.prompt_id, prompt_id=spec.prompt_id, generator_id=self.cfg.generator_id,
+            created_at=time.time(), prompt_ids=np.asarray(spec.prompt_ids, dtype=np.int32), samples=samples,
+            metadata=meta,
+        )  # fmt: skip

@@ -1,0 +1,347 @@
+"""The learner process loop: admission-controlled prompts out, staleness-bounded batches in,
+one optimizer step per batch, versioned weights published back.
+
+One step:
+1. issue prompts up to the admission bound ((S+1)·B groups issued and not yet consumed);
+2. read B groups from the rollout stream (duplicates of trained groups are acked and skipped,
+   malformed ones go to dead letters), apply the staleness policy (drop-and-count or keep);
+3. advantages per group, samples cut into micro-batches by token budget, π_prox / reference
+   logprobs when the loss needs them, forward + loss + backward + optimizer step (in a worker
+   thread, so the event loop keeps NATS and Redis alive);
+4. version += 1; checkpoint every ``checkpoint.every`` steps, and only then ack the rollout
+   entries the checkpoint covers (a learner killed at any point re-reads the groups of lost
+   steps and skips those of committed ones: every group is trained exactly once);
+5. publish weights every ``publish_every`` steps; log metrics (wandb, JSONL, console, NATS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from actors.learner.backend import MicroBatch, TrainingBackend, TrainSample
+from actors.learner.batching import make_micro_batches
+from actors.learner.checkpoint import CheckpointManager, LearnerState
+from actors.learner.config import LearnerConfig
+from async_rl.algorithms import broadcast_to_tokens, compute_advantages, make_loss_fn
+from async_rl.configurable import to_dict
+from async_rl.control import ControlPlane, LearnerProgress
+from async_rl.metrics import MetricsLogger
+from async_rl.tasks.base import Task
+from async_rl.tasks.config import build_task
+from async_rl.transport import make_transport
+from async_rl.weights import WeightPublisher
+from async_rl.wire import PromptSpec
+from async_rl.wire_types import GroupRecord
+from buffer.prompts import PromptQueue
+from buffer.rollouts import RolloutEntry, RolloutReader
+from buffer.staleness import StalenessPolicy
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "learner"
+"""Consumer name of the learner in the rollout group: a restarted learner picks up its own pending entries."""
+
+
+def build_samples(
+    groups: list[GroupRecord], cfg: LearnerConfig
+) -> tuple[list[TrainSample], dict[str, float], list[float]]:
+    """TrainSamples of ``groups`` with their advantages; also advantage metrics and per-sample rewards."""
+    rewards = [np.array([s.reward for s in g.samples], dtype=np.float64) for g in groups]
+    advantages, metrics = compute_advantages(rewards, cfg.algorithm)
+    samples: list[TrainSample] = []
+    num_empty = 0
+    for g, adv in zip(groups, advantages, strict=True):
+        prompt = np.asarray(g.prompt_ids, dtype=np.int32)
+        for s, a in zip(g.samples, adv, strict=True):
+            r = int(s.response_ids.size)
+            if r == 0:
+                num_empty += 1
+                continue
+            samples.append(TrainSample(
+                input_ids=np.concatenate([prompt, np.asarray(s.response_ids, dtype=np.int32)]),
+                prompt_len=int(prompt.size), behaviour_logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                versions=np.asarray(s.versions, dtype=np.int32), advantages=broadcast_to_tokens(float(a), r),
+                routes=s.routes if cfg.replay_routes else None, group_id=g.group_id,
+            ))  # fmt: skip
+    metrics["empty_responses_count"] = float(num_empty)
+    return samples, metrics, [float(x) for r in rewards for x in r]
+
+
+class Learner:
+    """The learner process (see the module docstring)."""
+
+    cfg: LearnerConfig
+    backend: TrainingBackend
+    state: LearnerState
+    stop_event: asyncio.Event
+    reward_history: list[float]
+    _redis: aioredis.Redis | None
+    _control: ControlPlane | None
+    _publisher: WeightPublisher | None
+    _prompts: PromptQueue | None
+    _reader: RolloutReader | None
+    _metrics: MetricsLogger | None
+    _task: Task
+    _checkpoints: CheckpointManager
+    _unacked: list[str]
+    _max_staleness_seen: int
+
+    def __init__(self, cfg: LearnerConfig, backend: TrainingBackend) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.state = LearnerState()
+        self.stop_event = asyncio.Event()
+        self.reward_history = []
+        self._redis = None
+        self._control = None
+        self._publisher = None
+        self._prompts = None
+        self._reader = None
+        self._metrics = None
+        self._task = build_task(cfg.task)
+        self._checkpoints = CheckpointManager(cfg.run.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+        self._unacked = []
+        self._max_staleness_seen = 0
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+
+    def request_stop(self) -> None:
+        if not self.stop_event.is_set():
+            log.info("learner stopping after the step in progress")
+        self.stop_event.set()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def setup(self) -> None:
+        cfg, names = self.cfg, self.cfg.run.names
+        assert cfg.run.redis_url and cfg.run.nats_url, "URLs are resolved by the entry point"
+        if cfg.checkpoint.resume:
+            restored = await asyncio.to_thread(self._checkpoints.load, self.backend)
+            if restored is not None:
+                self.state = restored
+                self.reward_history = list(restored.extra.get("reward_history", []))
+                log.info("resumed from checkpoint: step %d, version %d, %d groups trained",
+                         restored.step, restored.version, len(restored.seen_group_ids))  # fmt: skip
+        self._redis = aioredis.Redis.from_url(cfg.run.redis_url)
+        self._control = await ControlPlane(cfg.run.nats_url, name="learner", cfg=cfg.control).connect()
+        transport = make_transport(cfg.transport, cfg.run.redis_url, names)
+        self._publisher = WeightPublisher(self._redis, transport, names, cfg.publisher, self._control)
+        await self._publisher.clean_staging()
+        self._prompts = PromptQueue(self._redis, names, cfg.prompts)
+        self._reader = RolloutReader(self._redis, names, cfg.rollouts)
+        issued = int(await self._redis.hget(names.prompt_counters, "issued") or 0)
+        # Prompts issued after the checkpoint are in the stream already: never issue an index twice.
+        self.state.prompts_issued = max(self.state.prompts_issued, issued)
+        self._metrics = MetricsLogger(cfg.metrics, cfg.run.run_dir, config=to_dict(cfg), name=cfg.run.prefix)
+        await self._redis.hset(names.learner_state, mapping={
+            "version": self.state.version, "step": self.state.step, "started_at": time.time(),
+            "backend": cfg.backend, "model": cfg.model.name,
+        })  # fmt: skip
+        latest = await self._publisher.latest_version()
+        if latest is None or latest < self.state.version:
+            await self._publish()
+        else:
+            self.state.published_version = latest
+
+    async def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._control is not None:
+            await self._control.close()
+        if self._publisher is not None:
+            with contextlib.suppress(Exception):
+                await self._publisher.transport.close()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def run(self) -> LearnerState:
+        await self.setup()
+        try:
+            while not self.stop_event.is_set() and not self._done():
+                entries = await self._collect_batch()
+                if not entries:
+                    continue
+                await self._step(entries)
+            if self._unacked:  # the last steps since a checkpoint: commit them before leaving
+                await self._commit()
+        finally:
+            await self.close()
+        return self.state
+
+    def _done(self) -> bool:
+        cfg = self.cfg
+        if cfg.max_steps and self.state.step >= cfg.max_steps:
+            log.info("max_steps %d reached", cfg.max_steps)
+            return True
+        window = self.reward_history[-cfg.target_window :]
+        if cfg.target_reward and len(window) == cfg.target_window and np.mean(window) >= cfg.target_reward:
+            log.info("target reward %.3f reached (mean of last %d steps %.3f)", cfg.target_reward,
+                     cfg.target_window, float(np.mean(window)))  # fmt: skip
+            return True
+        return False
+
+    # ------------------------------------------------------------------ data
+    async def _feed_prompts(self) -> int:
+        """Issue prompts up to the admission bound; returns how many were issued."""
+        assert self._prompts is not None
+        cfg = self.cfg
+        room = await self._prompts.capacity(cfg.staleness.max_staleness, cfg.batch_groups)
+        if room <= 0:
+            return 0
+        sampling = {"n": cfg.sampling.n, "max_new_tokens": cfg.sampling.max_new_tokens or self._task.max_new_tokens,
+                    "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
+                    "top_k": cfg.sampling.top_k}  # fmt: skip
+        start = self.state.prompts_issued
+        specs = []
+        for i in range(start, start + room):
+            spec = self._task.prompt(i)
+            specs.append(PromptSpec(spec.prompt_id, spec.prompt_ids, {**spec.metadata, "sampling": sampling}))
+        await self._prompts.issue(specs, self.state.version)
+        self.state.prompts_issued = start + room
+        return room
+
+    async def _collect_batch(self) -> list[RolloutEntry]:
+        """B groups within the staleness bound (fewer only when stopping)."""
+        assert self._reader is not None and self._prompts is not None
+        cfg = self.cfg
+        policy = StalenessPolicy(cfg.staleness)
+        batch: list[RolloutEntry] = []
+        taken: set[str] = set()
+        seen = _Union(self.state.seen_group_ids, taken)
+        while len(batch) < cfg.batch_groups and not self.stop_event.is_set():
+            await self._feed_prompts()
+            entries = await self._reader.read(CONSUMER, cfg.batch_groups - len(batch), cfg.read_block_ms, seen=seen)
+            if not entries:
+                continue
+            fresh = []
+            for e in entries:  # two deliveries of one group inside a single read
+                if e.record.group_id in taken:
+                    await self._reader.ack_dropped([e], counter="duplicates")
+                else:
+                    taken.add(e.record.group_id)
+                    fresh.append(e)
+            selection = policy.select(fresh, self.state.version)
+            if selection.drop:
+                await self._reader.ack_dropped(selection.drop)
+                log.info("dropped %d groups over the staleness bound %d", len(selection.drop),
+                         cfg.staleness.max_staleness)  # fmt: skip
+            over = int(selection.metrics.get("num_over_bound", 0)) - len(selection.drop)
+            if over > 0:
+                await self._reader.count("kept_stale", over)
+            self._max_staleness_seen = max(self._max_staleness_seen, int(selection.metrics.get("staleness_max", 0)))
+            await self._prompts.mark_consumed(len(fresh))
+            batch += selection.keep
+        if self.stop_event.is_set() and batch:
+            # Not trained: leave them pending for the next learner (they are reclaimed by name on restart).
+            log.info("stopping with %d groups read but not trained; they stay pending", len(batch))
+            return []
+        return batch
+
+    # ------------------------------------------------------------------ training
+    async def _step(self, entries: list[RolloutEntry]) -> None:
+        cfg = self.cfg
+        t0 = time.monotonic()
+        groups = [e.record for e in entries]
+        samples, adv_metrics, rewards = build_samples(groups, cfg)
+        version_before = self.state.version
+        result, num_mb = await asyncio.to_thread(self._train, samples)
+        self.state.step += 1
+        self.state.version += 1
+        train_s = time.monotonic() - t0
+        self.state.seen_group_ids.update(g.group_id for g in groups)
+        self._unacked += [e.entry_id for e in entries]
+        reward_mean = float(np.mean(rewards)) if rewards else 0.0
+        self.reward_history.append(reward_mean)
+        self.state.extra["reward_history"] = self.reward_history[-10_000:]
+        if self.state.step % cfg.checkpoint.every == 0:
+            await self._commit()
+        if self.state.step % cfg.publish_every == 0:
+            await self._publish()
+        num_tokens = sum(int(s.input_ids.size) for s in samples)
+        counters = await self._counters()
+        metrics: dict[str, Any] = {
+            **{f"loss/{k}": v for k, v in result.metrics.items()},
+            **{f"adv/{k}": v for k, v in adv_metrics.items()},
+            "reward": reward_mean, "grad_norm": result.grad_norm, "version": self.state.version,
+            "step_s": time.monotonic() - t0, "train_s": train_s, "micro_batches": num_mb,
+            "samples": len(samples), "groups": len(groups), "tokens": num_tokens,
+            "samples_per_s": len(samples) / max(train_s, 1e-9), "tokens_per_s": num_tokens / max(train_s, 1e-9),
+            "staleness_group_max": max((version_before - g.min_version for g in groups), default=0),
+            "max_staleness_seen": self._max_staleness_seen, "published_version": self.state.published_version,
+            **{f"buffer/{k}": v for k, v in counters.items()},
+        }  # fmt: skip
+        for key, value in groups[0].samples[0].reward_info.items() if groups and groups[0].samples else ():
+            vals = [s.reward_info.get(key, 0.0) for g in groups for s in g.samples]
+            metrics[f"reward/{key}"] = float(np.mean(vals)) if vals else float(value)
+        assert self._metrics is not None and self._control is not None and self._redis is not None
+        self._metrics.log(self.state.step, metrics)
+        await self._redis.hset(self.cfg.run.names.learner_state,
+                               mapping={"version": self.state.version, "step": self.state.step})  # fmt: skip
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)}
+        with contextlib.suppress(Exception):  # progress events are informational
+            await self._control.publish(self.cfg.run.names.learner_subject,
+                                        LearnerProgress(step=self.state.step, version=self.state.version,
+                                                        metrics=scalars))  # fmt: skip
+        log.info("step %d v%d reward %.3f loss %.4f staleness<=%d groups %d tokens %d %.2fs",
+                 self.state.step, self.state.version, reward_mean, result.metrics.get("loss", float("nan")),
+                 metrics["staleness_group_max"], len(groups), num_tokens, metrics["step_s"])  # fmt: skip
+
+    def _train(self, samples: list[TrainSample]) -> tuple[Any, int]:
+        """Worker thread: micro-batches, extra logprobs the loss needs, one optimizer step."""
+        cfg, backend = self.cfg, self.backend
+        mbs: list[MicroBatch] = make_micro_batches(samples, cfg.batching)
+        if cfg.algorithm.needs_proximal_logprobs:
+            for mb in mbs:
+                mb.proximal_logprobs = backend.forward_logprobs(mb, replay_routes=cfg.replay_routes).logprobs
+        if cfg.algorithm.needs_reference_logprobs:
+            for mb in mbs:
+                mb.reference_logprobs = backend.forward_logprobs(mb, replay_routes=False, reference=True).logprobs
+        loss_fn = make_loss_fn(cfg.algorithm, learner_version=self.state.version)
+        result = backend.train_step(mbs, loss_fn, replay_routes=cfg.replay_routes,
+                                    with_entropy=cfg.algorithm.needs_entropy)  # fmt: skip
+        return result, len(mbs)
+
+    async def _commit(self) -> None:
+        """Checkpoint, then ack the rollout entries of every step the checkpoint covers."""
+        assert self._reader is not None
+        await asyncio.to_thread(self._checkpoints.save, self.backend, self.state)
+        if self._unacked:
+            await self._reader.ack(self._unacked)
+            self._unacked = []
+
+    async def _publish(self) -> None:
+        assert self._publisher is not None
+        t0 = time.monotonic()
+        tensors = await asyncio.to_thread(lambda: dict(self.backend.export_weights()))
+        await self._publisher.publish(tensors, self.state.version)
+        self.state.published_version = self.state.version
+        log.info("published weights v%d (%.1f MB) in %.2fs", self.state.version,
+                 sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6, time.monotonic() - t0)  # fmt: skip
+
+    async def _counters(self) -> dict[str, int]:
+        assert self._redis is not None
+        names = self.cfg.run.names
+        raw = await self._redis.hgetall(names.rollout_counters)
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+
+class _Union:
+    """Membership in either of two sets, without copying the (large) set of trained group ids."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: set[str], b: set[str]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.a or item in self.b

@@ -1,0 +1,50 @@
+"""``async-rl learner``: train on the rollout stream of a run and publish weights (torchrun for Megatron)."""
+
+from __future__ import annotations
+
+import sys
+
+from async_rl.entry import config_parser, parse_config, save_resolved_config, setup_logging
+
+
+def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
+    args = config_parser(prog, "Train on a run's rollout stream; publish versioned weights.").parse_args(argv)
+    from actors.learner.config import LearnerConfig
+
+    cfg = parse_config(LearnerConfig, args, prog)
+    setup_logging(args.log_level, "learner")
+    import asyncio
+
+    from async_rl.servers import ensure_servers
+
+    servers = None
+    if not cfg.run.redis_url or not cfg.run.nats_url:
+        # A single-host run with nothing configured: own embedded servers for the run's lifetime.
+        servers = ensure_servers(cfg.run.redis_url, cfg.run.nats_url)
+        cfg.run.redis_url, cfg.run.nats_url = servers.redis_url, servers.nats_url
+        print(f"{prog}: started embedded servers: {servers.redis_url} {servers.nats_url}", file=sys.stderr)
+    save_resolved_config(cfg, cfg.run.run_dir, "learner")
+
+    from actors.learner.build import build_backend
+    from actors.learner.loop import Learner
+
+    backend = build_backend(cfg)
+    try:
+        if not backend.is_main_rank:
+            follow = getattr(backend, "follow", None)
+            if follow is None:
+                raise RuntimeError(f"backend {backend.name} has ranks other than the main one but no follow()")
+            follow()
+            return 0
+
+        async def _run() -> None:
+            learner = Learner(cfg, backend)
+            learner.install_signal_handlers()
+            await learner.run()
+
+        asyncio.run(_run())
+    finally:
+        backend.close()
+        if servers is not None:
+            servers.stop()
+    return 0

@@ -1,0 +1,55 @@
+"""Shared plumbing of the process entry points: argument parsing, config loading, logging."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, TypeVar
+
+from async_rl.configurable import ConfigError, load_config, to_dict
+
+T = TypeVar("T")
+
+
+def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description,
+        epilog="Overrides are dotted config keys, e.g. run.redis_url=redis://host:6379/0 task.name=reverse.",
+    )  # fmt: skip
+    parser.add_argument("--config", type=Path, default=None, help="TOML config file")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    return parser
+
+
+def parse_config(cls: type[T], args: argparse.Namespace, prog: str) -> T:
+    """Load and validate the config; a mistake exits with a one-line message naming the field."""
+    try:
+        cfg = load_config(cls, args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"{prog}: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.print_config:
+        print(json.dumps(to_dict(cfg), indent=2))
+        raise SystemExit(0)
+    return cfg
+
+
+def setup_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, str(level).upper(), logging.INFO),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stderr,
+    )  # fmt: skip
+    for noisy in ("httpx", "urllib3", "nats", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def save_resolved_config(cfg: Any, run_dir: Path, name: str) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / f"{name}-config.json"
+    path.write_text(json.dumps(to_dict(cfg), indent=2))
+    return path
