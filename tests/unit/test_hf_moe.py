@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
 from async_rl.hf_moe import NO_ROUTE, find_moe_layers, pack_routes, record_routes, replay_routes, route_dtype
 
@@ -184,3 +184,23 @@ def test_mixtral_router_replay() -> None:
     assert routes.shape == (2, 5, 2, 2)
     with torch.no_grad(), replay_routes(model, routes):
         assert torch.equal(model(ids).logits, base)
+
+
+def test_qwen2_moe_unnormalised_weights_and_shared_expert() -> None:
+    cfg = Qwen2MoeConfig(vocab_size=32, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in find_moe_layers(model):
+            layer.router.weight.normal_(0.0, 0.5)
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), record_routes(model) as rec:
+        base = model(ids).logits
+    (routes,) = rec.take()
+    with torch.no_grad(), replay_routes(model, routes):
+        assert torch.equal(model(ids).logits, base)
+    swapped = routes.flip(-1)  # same experts, other order: weights follow the experts, so the output is the same
+    with torch.no_grad(), replay_routes(model, swapped):
+        torch.testing.assert_close(model(ids).logits, base, rtol=0, atol=1e-5)
