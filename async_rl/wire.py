@@ -317,7 +317,7 @@ def _group_to_wire(rec: GroupRecord) -> _GroupW:
 def _version_of(data: bytes | memoryview) -> int | None:
     try:
         return _HEADER_DECODER.decode(data).v
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, ValueError):
         return None
 
 
@@ -332,7 +332,7 @@ def decode_group(data: bytes | bytearray | memoryview) -> GroupRecord:
         if v is not None and v != SCHEMA_VERSION:
             raise WireError(f"unknown schema version {v} (this code reads {SCHEMA_VERSION})") from exc
         raise WireError(f"malformed group record: {exc}") from exc
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, ValueError) as exc:  # ValueError: e.g. a string that is not UTF-8
         raise WireError(f"group record is not valid msgpack: {exc}") from exc
     if w.v != SCHEMA_VERSION:
         raise WireError(f"unknown schema version {w.v} (this code reads {SCHEMA_VERSION})")
@@ -437,7 +437,7 @@ def decode_prompt(data: bytes | bytearray | memoryview) -> PromptSpec:
         if v is not None and v != PROMPT_SCHEMA_VERSION:
             raise WireError(f"unknown prompt schema version {v} (this code reads {PROMPT_SCHEMA_VERSION})") from exc
         raise WireError(f"malformed prompt entry: {exc}") from exc
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, ValueError) as exc:  # ValueError: e.g. a string that is not UTF-8
         raise WireError(f"prompt entry is not valid msgpack: {exc}") from exc
     if w.v != PROMPT_SCHEMA_VERSION:
         raise WireError(f"unknown prompt schema version {w.v} (this code reads {PROMPT_SCHEMA_VERSION})")
