@@ -172,6 +172,8 @@ class ControlPlaneConfig:
 
     connect_attempts: int = 10
     """Connection attempts before giving up (with capped exponential backoff between them)."""
+    connect_timeout_s: float = 5.0
+    """Time limit of one connection attempt."""
     max_backoff_s: float = 5.0
     """Cap of the backoff between connection attempts."""
 
@@ -180,6 +182,8 @@ class ControlPlaneConfig:
             raise ValueError("control.connect_attempts must be >= 1")
         if self.max_backoff_s <= 0:
             raise ValueError("control.max_backoff_s must be > 0")
+        if self.connect_timeout_s <= 0:
+            raise ValueError("control.connect_timeout_s must be > 0")
 
 
 class ControlPlane:
@@ -206,9 +210,18 @@ class ControlPlane:
         backoff_s = 0.1
         for attempt in range(1, self.cfg.connect_attempts + 1):
             try:
-                # Reconnects after a first success are nats-py's job (unbounded, buffered publishes).
-                self._nc = await nats.connect(
-                    self.url, name=self.name, connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True
+                # Reconnects after a first success are nats-py's job (unbounded, buffered publishes); with
+                # unbounded reconnects nats-py's first connect never gives up either, hence the time limit.
+                self._nc = await asyncio.wait_for(
+                    nats.connect(
+                        self.url,
+                        name=self.name,
+                        connect_timeout=self.cfg.connect_timeout_s,
+                        max_reconnect_attempts=-1,
+                        allow_reconnect=True,
+                        error_cb=self._on_error,
+                    ),
+                    self.cfg.connect_timeout_s,
                 )
                 return self
             except Exception as exc:  # retry boundary: DNS, refused, timeout, TLS, auth ...
@@ -218,6 +231,9 @@ class ControlPlane:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, self.cfg.max_backoff_s)
         raise AssertionError("unreachable")
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.warning("NATS %s: %r", self.url, exc)
 
     @property
     def nc(self) -> Any:
