@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 import time
 
 import numpy as np
@@ -236,3 +238,29 @@ async def test_large_records_travel_beside_the_stream(redis_client, names):
     await r.ack(got)
     assert [k async for k in redis_client.scan_iter(match=names.rollout_payload("*"))] == []
     assert await redis_client.xlen(names.rollouts_stream) == 0
+
+
+async def test_generator_killed_with_sigkill_loses_no_prompt(redis_client, names, servers):
+    """A real process reads prompts and dies by SIGKILL; a survivor reclaims every one of them."""
+    q = PromptQueue(redis_client, names, PromptQueueConfig(reclaim_idle_ms=200))
+    await q.issue(_specs(5), version=0)
+    script = (
+        "import asyncio, os, signal, redis.asyncio as r\n"
+        "from async_rl.names import Names\n"
+        "from buffer.prompts import PromptQueue\n"
+        "async def main():\n"
+        f"    q = PromptQueue(r.Redis.from_url({servers.redis_url!r}), Names(prefix={names.prefix!r}))\n"
+        "    got = await q.read('doomed', count=3)\n"
+        "    assert len(got) == 3, got\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "asyncio.run(main())\n"
+    )
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script)
+    assert await asyncio.wait_for(proc.wait(), timeout=60) == -signal.SIGKILL
+    first = await q.read("survivor", count=10)
+    assert sorted(e.spec.prompt_id for e in first) == ["p3", "p4"]
+    await asyncio.sleep(0.3)
+    reclaimed = await q.read("survivor", count=10)
+    assert sorted(e.spec.prompt_id for e in reclaimed) == ["p0", "p1", "p2"]
+    await q.ack(first + reclaimed)
+    assert (await redis_client.xpending(names.prompts_stream, names.prompts_group))["pending"] == 0
