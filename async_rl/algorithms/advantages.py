@@ -40,7 +40,8 @@ def compute_advantages(
     """
     acfg = cfg.advantage if isinstance(cfg, AlgorithmConfig) else cfg
     as_matrix = isinstance(rewards, np.ndarray)
-    if as_matrix:
+    groups: list[np.ndarray | Sequence[float]]
+    if isinstance(rewards, np.ndarray):
         if rewards.ndim != 2:
             raise ValueError(f"rewards must be [num_groups, n] (2-D), got shape {rewards.shape}")
         groups = [rewards[i] for i in range(rewards.shape[0])]
