@@ -51,6 +51,7 @@ from actors.learner.megatron.routes import (
     replay_indices,
     scatter_recorded,
 )
+from actors.learner.megatron.spec import decoder_block_spec
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 
 
@@ -238,10 +239,8 @@ class MegatronBackend(TrainingBackend):
 
     def _build_model(self):  # type: ignore[no-untyped-def]
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        spec = get_gpt_decoder_block_spec(self.tc, use_transformer_engine=self.te_spec, normalization="RMSNorm",
-                                          pp_rank=self.pp_rank)  # fmt: skip
+        spec = decoder_block_spec(self.tc, use_te=self.te_spec, pp_rank=self.pp_rank)
         model = GPTModel(
             config=self.tc, transformer_layer_spec=spec, vocab_size=self.arch.vocab_size,
             max_sequence_length=self.arch.max_position_embeddings, pre_process=self.is_first,

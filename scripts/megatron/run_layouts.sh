@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Check Megatron parallel layouts against a single-GPU reference on one host (run from the repo root).
+#   scripts/megatron/run_layouts.sh OUTDIR x2   # 2 GPUs: PP=2 uneven (3+4, dense layer 0), PP=2 (4+3), EP=2, TP=2+SP
+#   scripts/megatron/run_layouts.sh OUTDIR x4   # 4 GPUs (issue 8): PP=2 x EP=2, TP=2 x EP=2 (+SP), PP=2 x CP=2 (needs TE)
+# Writes OUTDIR/layouts.json (one entry per layout, with pass/fail) and OUTDIR/layouts.log (all output).
+set -uo pipefail
+out=${1:?usage: run_layouts.sh OUTDIR x2|x4}
+kind=${2:-x2}
+mkdir -p "$out"
+ref=/tmp/megatron_layout_ref.pt
+work=$(mktemp -d)
+# Never use NVLink multicast on shared hosts.
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="${PYTHONPATH:-}:$(pwd)"
+
+run() {
+  local name=$1 n=$2; shift 2
+  echo "=== $name (nproc $n): $*" | tee -a "$out/layouts.log"
+  timeout 300 torchrun --standalone --nproc-per-node "$n" scripts/megatron/check_layout.py --name "$name" \
+    --out "$work/$name.json" "$@" >"$work/$name.log" 2>&1
+  local rc=$?
+  grep -v "Warning\|warnings.warn\|tp_group\|DEPRECATED\|^\s*$" "$work/$name.log" | tail -60 >>"$out/layouts.log"
+  echo "=== $name rc=$rc" | tee -a "$out/layouts.log"
+}
+
+run ref 1 --save-ref "$ref"
+if [ "$kind" = x2 ]; then
+  run pp2_first3 2 --pp 2 --first-stage-layers 3 --ref "$ref"
+  run pp2_last3 2 --pp 2 --last-stage-layers 3 --ref "$ref"
+  run ep2 2 --ep 2 --ref "$ref"
+  run tp2_sp 2 --tp 2 --sp --ref "$ref"
+else
+  run pp2_ep2 4 --pp 2 --ep 2 --first-stage-layers 3 --ref "$ref"
+  run tp2_ep2_sp 4 --tp 2 --ep 2 --sp --ref "$ref"
+  run pp2_cp2 4 --pp 2 --cp 2 --first-stage-layers 3 --ref "$ref"
+fi
+python3 - "$work" "$out/layouts.json" <<'PY'
+import json, pathlib, sys
+work, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+res = {}
+for p in sorted(work.glob("*.json")):
+    res[p.stem] = json.loads(p.read_text())
+for p in sorted(work.glob("*.log")):
+    if p.stem not in res:
+        res[p.stem] = {"name": p.stem, "passed": False, "error_tail": p.read_text()[-3000:]}
+dst.write_text(json.dumps(res, indent=2))
+print({k: v.get("passed") for k, v in res.items()})
+PY
