@@ -34,7 +34,7 @@ def test_cuda_matches_cpu() -> None:
     fn = make_loss_fn(cfg, learner_version=10)
     results = []
     for device in ("cpu", "cuda"):
-        lp = logp.to(device).requires_grad_()
+        lp = logp.detach().to(device).clone().requires_grad_()
         loss, m = fn(ForwardOutput(logprobs=lp, entropy=ent.to(device)), mb.to(device))
         loss.backward()
         results.append((loss.item(), lp.grad.cpu(), m))
@@ -45,7 +45,7 @@ def test_cuda_matches_cpu() -> None:
     for k in m_cpu:
         assert m_gpu[k] == pytest.approx(m_cpu[k], rel=1e-4, abs=1e-6), k
     # bf16 logprobs from a backend are upcast, the gradient comes back in bf16
-    lp = logp.to("cuda", torch.bfloat16).requires_grad_()
+    lp = logp.detach().to("cuda", torch.bfloat16).requires_grad_()
     loss, m = fn(ForwardOutput(logprobs=lp, entropy=ent.cuda()), mb.to("cuda"))
     loss.backward()
     assert torch.isfinite(loss) and lp.grad.dtype == torch.bfloat16 and torch.isfinite(lp.grad.float()).all()
