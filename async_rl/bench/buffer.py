@@ -251,19 +251,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         nbytes = group_bytes(recs[0])
         prefix = f"bench-buffer-{os.getpid()}"
         ours, raw, b64, js = (Names(prefix=f"{prefix}-{v}") for v in ("ours", "raw", "b64json", "json"))
-        results: dict[str, list[float]] = {"ours": [], "raw": [], "json": [], "b64json": []}
-        for _ in range(args.repeats):
-            results["raw"].append(len(recs) / await _run_kv(redis, raw, recs, args.batch, None, None))
-            results["ours"].append(len(recs) / await _run_ours(redis, ours, recs, args.batch))
-            results["b64json"].append(
-                len(recs) / await _run_kv(redis, b64, recs, args.batch, encode_b64json, decode_b64json)
-            )
+        runs: dict[str, list[tuple[float, float]]] = {"ours": [], "raw": [], "json": [], "b64json": []}
+
+        async def timed(name: str, n: int, coro: Any) -> None:
+            cpu0 = time.process_time()
+            wall = await coro
+            runs[name].append((n / wall, (time.process_time() - cpu0) / n))
+
+        load_before = os.getloadavg()
+        # ours and raw alternate, so a busy spell on a shared machine hits both alike; the best run counts.
+        for i in range(args.repeats):
+            await timed("raw", len(recs), _run_kv(redis, raw, recs, args.batch, None, None))
+            await timed("ours", len(recs), _run_ours(redis, ours, recs, args.batch))
+            if i < args.b64_repeats:
+                await timed("b64json", len(recs), _run_kv(redis, b64, recs, args.batch, encode_b64json, decode_b64json))
         for _ in range(args.json_repeats):
-            results["json"].append(
-                len(json_recs) / await _run_kv(redis, js, json_recs, args.batch, encode_json, decode_json)
-            )
-        best = {k: max(v) for k, v in results.items()}
+            await timed("json", len(json_recs), _run_kv(redis, js, json_recs, args.batch, encode_json, decode_json))
+        load_after = os.getloadavg()
+        best = {k: max(r[0] for r in v) for k, v in runs.items()}
         gbps = {k: v * nbytes / 1e9 for k, v in best.items()}
+        cpu_ms = {k: min(r[1] for r in v) * 1e3 for k, v in runs.items()}
         machine = _machine(await redis.info("server"))
     finally:
         await redis.aclose()
@@ -279,6 +286,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "json_groups": len(json_recs),
             "batch": args.batch,
             "repeats": args.repeats,
+            "b64_repeats": min(args.b64_repeats, args.repeats),
             "json_repeats": args.json_repeats,
             "route_dtype": "uint8",
         },  # fmt: skip
@@ -296,7 +304,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup_vs_json": gbps["ours"] / gbps["json"],
         "speedup_vs_b64json": gbps["ours"] / gbps["b64json"],
         "groups_per_s": best["ours"],
-        "groups_per_s_all_runs": {k: [round(x, 3) for x in v] for k, v in results.items()},
+        "groups_per_s_all_runs": {k: [round(r[0], 3) for r in v] for k, v in runs.items()},
+        "client_cpu_ms_per_group": {k: round(v, 2) for k, v in cpu_ms.items()},
+        "client_cpu_ratio_vs_raw": cpu_ms["raw"] / cpu_ms["ours"],
+        "load_avg_1m": [round(load_before[0], 2), round(load_after[0], 2)],
     }
 
 
@@ -320,9 +331,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench buffer") -> 
     p.add_argument(
         "--json-groups", type=_positive("--json-groups"), default=2, help="groups per nested-list JSON run (slow)"
     )
-    p.add_argument(
-        "--repeats", type=_positive("--repeats"), default=3, help="runs of each fast variant; the best counts"
-    )
+    p.add_argument("--repeats", type=_positive("--repeats"), default=5, help="runs of ours and raw; the best counts")
+    p.add_argument("--b64-repeats", type=_positive("--b64-repeats"), default=2, help="runs of the base64 JSON variant")
     p.add_argument(
         "--json-repeats", type=_positive("--json-repeats"), default=1, help="runs of the nested-list JSON variant"
     )
