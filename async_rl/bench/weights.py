@@ -163,6 +163,9 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
             fetch_apply_s = time.perf_counter() - t0
             fetched = sync.last_fetch
             assert fetched is not None and fetched.version == 1
+            st = pub.last_stats
+            assert st is not None
+            out["publish_profile_s"] = {"pack_and_checksum": round(st.pack_s, 3), "put": round(st.put_s, 3)}
             out["publish_gbps"] = total / min(publish_s) / GB
             out["publish_s"] = [round(s, 3) for s in publish_s]
             out["fetch_apply_gbps"] = total / fetch_apply_s / GB

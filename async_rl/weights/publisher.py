@@ -17,6 +17,7 @@ One publisher (the learner's rank 0) writes a run's weights at a time.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -154,21 +155,42 @@ class WeightPublisher:
         for e in entries:
             by_bucket[e.bucket].append(e)
         hasher = CHECKSUMS[self.checksum]
-        buckets: list[BucketEntry] = []
-        pack_s = put_s = 0.0
-        # Two buffers of the largest bucket, reused: pack bucket i+1 while bucket i is on the wire is a
-        # possible refinement; on 2 cores the copy and the send compete for the same CPU anyway.
-        buf = bytearray(max(sizes))
-        for index, size in enumerate(sizes):
-            view = memoryview(buf)[:size]
+        # Two buffers of the largest bucket: bucket i+1 is packed and checksummed (in a worker thread; torch's
+        # copy and xxhash release the GIL) while bucket i is on the wire.
+        buffers = [bytearray(max(sizes)) for _ in range(min(2, len(sizes)))]
+        pack_times: list[float] = []
+        put_times: list[float] = []
+
+        def pack(index: int) -> tuple[memoryview, int]:
             t1 = time.perf_counter()
+            view = memoryview(buffers[index % 2])[: sizes[index]]
             pack_bucket(tensors, by_bucket[index], view)
             checksum = hasher(view)
-            t2 = time.perf_counter()
+            pack_times.append(time.perf_counter() - t1)
+            return view, checksum
+
+        async def put(index: int, view: memoryview) -> None:
+            t1 = time.perf_counter()
             await self.transport.put(version, index, view)
-            put_s += time.perf_counter() - t2
-            pack_s += t2 - t1
+            put_times.append(time.perf_counter() - t1)
+
+        buckets: list[BucketEntry] = []
+        packed = await asyncio.to_thread(pack, 0)
+        for index, size in enumerate(sizes):
+            view, checksum = packed
             buckets.append(BucketEntry(index, size, checksum))
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(put(index, view), name=f"weights-put-v{version}-b{index}")
+                    if index + 1 < len(sizes):
+                        next_pack = tg.create_task(
+                            asyncio.to_thread(pack, index + 1), name=f"weights-pack-b{index + 1}"
+                        )
+            except BaseExceptionGroup as group:  # callers catch TransportError & co., not a group of them
+                raise group.exceptions[0] from None
+            if index + 1 < len(sizes):
+                packed = next_pack.result()
+        pack_s, put_s = sum(pack_times), sum(put_times)
         manifest = Manifest(
             version=version, tensors=entries, buckets=buckets, transport=self.transport.name, checksum=self.checksum
         )
