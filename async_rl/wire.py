@@ -220,6 +220,14 @@ def _check_sample_arrays(
             raise WireError(f"{path}.routes contains a negative expert id")
 
 
+def _check_meta(meta: Any) -> None:
+    if not isinstance(meta, dict):
+        raise WireError(f"metadata must be a dict, got {type(meta).__name__}")
+    for k in meta:
+        if not isinstance(k, str):
+            raise WireError(f"metadata keys must be strings, got {k!r}")
+
+
 def _check_finish(value: Any, path: str) -> None:
     if value not in FINISH_REASONS:
         raise WireError(f"{path} must be one of {list(FINISH_REASONS)}, got {value!r}")
@@ -269,8 +277,7 @@ def _group_to_wire(rec: GroupRecord) -> _GroupW:
     _check_str(rec.prompt_id, "prompt_id")
     _check_str(rec.generator_id, "generator_id", allow_empty=True)
     created_at = _check_finite_number(rec.created_at, "created_at")
-    if not isinstance(rec.metadata, dict):
-        raise WireError(f"metadata must be a dict, got {type(rec.metadata).__name__}")
+    _check_meta(rec.metadata)
     prompt = _to_wire(rec.prompt_ids, "prompt_ids", (_I32,), 1)
     num_prompt = int(rec.prompt_ids.shape[0])
     if not isinstance(rec.samples, list) or not rec.samples:
@@ -417,8 +424,7 @@ def encode_prompt(spec: PromptSpec) -> bytes:
     if not isinstance(spec, PromptSpec):
         raise WireError(f"encode_prompt expects a PromptSpec, got {type(spec).__name__}")
     _check_str(spec.prompt_id, "prompt_id")
-    if not isinstance(spec.metadata, dict):
-        raise WireError(f"metadata must be a dict, got {type(spec.metadata).__name__}")
+    _check_meta(spec.metadata)
     ids = _to_wire(spec.prompt_ids, "prompt_ids", (_I32,), 1)
     try:
         return _ENCODER.encode(_PromptW(v=PROMPT_SCHEMA_VERSION, pid=spec.prompt_id, ids=ids, meta=spec.metadata))

@@ -169,6 +169,7 @@ def test_big_endian_input_is_converted():
         (lambda r: setattr(r, "created_at", math.inf), r"created_at must be finite"),
         (lambda r: setattr(r, "metadata", {"obj": object()}), r"metadata is not msgpack-encodable"),
         (lambda r: setattr(r, "schema_version", 99), r"schema_version 99"),
+        (lambda r: setattr(r, "metadata", {1: "x"}), r"metadata keys must be strings, got 1"),
     ],
 )
 def test_encode_errors_name_the_field(mutate, message):
