@@ -264,3 +264,21 @@ async def test_generator_killed_with_sigkill_loses_no_prompt(redis_client, names
     assert sorted(e.spec.prompt_id for e in reclaimed) == ["p0", "p1", "p2"]
     await q.ack(first + reclaimed)
     assert (await redis_client.xpending(names.prompts_stream, names.prompts_group))["pending"] == 0
+
+
+async def test_stats_of_an_empty_run_and_client_checks(redis_client, names, servers):
+    stats = await buffer_stats(redis_client, names)
+    assert stats["prompts"]["in_flight"] == 0 and stats["rollouts"]["backlog"] == 0
+    assert stats["rollouts"]["stream"]["consumers"] == [] and stats["dead_letters"]["length"] == 0
+    import redis.asyncio as aioredis
+
+    text_client = aioredis.Redis.from_url(servers.redis_url, decode_responses=True)
+    try:
+        with pytest.raises(ValueError, match="decode_responses=False"):
+            RolloutReader(text_client, names)
+    finally:
+        await text_client.aclose()
+    with pytest.raises(ValueError, match="redis.asyncio.Redis"):
+        PromptQueue(object(), names)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="buffer.rollouts.max_backlog must be >= 1"):
+        RolloutWriterConfig(max_backlog=0)
