@@ -208,20 +208,21 @@ class RedisTransport(BucketTransport):
             self._pool.put(None)  # connected lazily, in the worker thread
 
     def _run(self, fn):  # type: ignore[no-untyped-def]
+        """Run ``fn(connection)`` in the calling (worker) thread; a connection that failed is replaced."""
         conn = self._pool.get()
+        ok = False
         try:
             if conn is None:
                 conn = RespConnection(self.url, self.timeout_s)
             result = fn(conn)
-        except (OSError, TransportError) as exc:
-            if conn is not None:
+            ok = True
+            return result
+        except OSError as exc:
+            raise TransportError(f"Redis bucket transfer failed: {exc!r}") from exc
+        finally:
+            if not ok and conn is not None:
                 conn.close()
-            self._pool.put(None)
-            if isinstance(exc, TransportError):
-                raise
-            raise TransportError(f"Redis bucket transfer failed: {exc}") from exc
-        self._pool.put(conn)
-        return result
+            self._pool.put(conn if ok else None)
 
     async def put(self, version: int, index: int, data: memoryview) -> None:
         if data.nbytes > MAX_BUCKET_BYTES:

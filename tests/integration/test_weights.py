@@ -232,3 +232,26 @@ async def test_publish_announces_on_nats(redis_client: aioredis.Redis, names: Na
     assert isinstance(msg, WeightsAnnounced)
     assert (msg.version, msg.manifest_key, msg.total_bytes) == (3, names.weights_manifest(3), m.total_bytes)
     assert msg.num_buckets == m.num_buckets and msg.transport == "redis"
+
+
+async def test_transport_errors_are_named(servers: ServerSet, names: Names) -> None:
+    from async_rl.servers import free_port
+    from async_rl.transport import BucketMissing, TransportConfig, TransportError, make_transport
+
+    t = make_transport(TransportConfig(), servers.redis_url, names)
+    with pytest.raises(BucketMissing, match="bucket 0 of weights version 9 is missing"):
+        await t.get(9, 0)
+    data = memoryview(bytes(range(256)) * 1000)
+    await t.put(9, 0, data)
+    assert bytes(await t.get(9, 0)) == bytes(data)
+    await t.delete(9, 1)
+    await t.close()
+    dead = RedisTransport(f"redis://127.0.0.1:{free_port()}/0", names, timeout_s=1)
+    with pytest.raises(TransportError, match="transfer failed"):
+        await dead.get(0, 0)
+    with pytest.raises(ValueError, match="transport.connections"):
+        TransportConfig(connections=0)
+    t = RedisTransport("rediss://127.0.0.1:1/0", names, connections=1)
+    for _ in range(2):  # the failed connection gives its pool slot back
+        with pytest.raises(ValueError, match="only redis:// URLs"):
+            await asyncio.wait_for(t.get(0, 0), 5)
