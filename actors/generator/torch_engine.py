@@ -11,6 +11,10 @@ Routes: for MoE models every forward is recorded with :mod:`async_rl.hf_moe` hoo
 routes cover its prompt tokens and every response token that was fed back (not the last one),
 padding excluded, as ``uint8`` (``int16`` past 256 experts) ``[T_run, moe_layers, top_k]``.
 
+Calls: :meth:`TorchEngine.generate` queues its prompts for one decode thread (the caller's event
+loop stays free); calls that wait together and sample alike (same temperature, top-p, top-k and
+stop tokens, no seed) run as one batch, so a generator may call once per prompt group.
+
 Weight hot-swap: :meth:`TorchEngine.stage_weights` (any thread) checks the names and shapes,
 then a loader thread copies the tensors into a standby copy of the model while generation
 continues on the active one; at the next step boundary the two references are exchanged, so
@@ -24,6 +28,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -34,6 +39,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.param_slots import ParamSlots
+from actors.generator.sampling import sample_tokens
 from async_rl.hf_moe import RouteRecorder, find_moe_layers, route_dtype
 from async_rl.models import ModelConfig, load_model
 
@@ -74,33 +80,6 @@ class TorchEngineConfig:
             raise ValueError("engine.num_threads must be >= 0")
 
 
-def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` ``[B, V]``; return ``(tokens [B] int64, logprobs [B] float32)``.
-
-    Order: temperature, top-k, top-p (as vLLM). The logprob is under the distribution actually
-    sampled from (tempered, truncated, renormalised); for greedy it is the untempered model logprob.
-    """
-    logits = logits.float()
-    if params.temperature == 0:
-        tokens = logits.argmax(dim=-1)
-        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_before >= params.top_p  # the top token always has mass_before 0 and stays
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
 class TorchEngine(Engine):
     """A transformers model with a KV-cached batched sampler and O(1) weight swaps (see the module docstring)."""
 
@@ -126,7 +105,10 @@ class TorchEngine(Engine):
     _swap_lock: threading.Lock
     _staged_cond: threading.Condition
     """Notified (under ``_swap_lock``) when a version is loaded into the standby or swapped in."""
-    _gen_lock: threading.Lock
+    _queue: deque[_Request]
+    """Generate calls waiting for the decode thread."""
+    _queue_cond: threading.Condition
+    _worker: threading.Thread | None
     _stage_cond: threading.Condition
     _loader: threading.Thread | None
     _rng: torch.Generator
@@ -160,7 +142,9 @@ class TorchEngine(Engine):
         self._waiters = []
         self._swap_lock = threading.Lock()
         self._staged_cond = threading.Condition(self._swap_lock)
-        self._gen_lock = threading.Lock()
+        self._queue = deque()
+        self._queue_cond = threading.Condition()
+        self._worker = None
         self._stage_cond = threading.Condition()
         self._loader = None
         self._rng = torch.Generator(device=self.device)
@@ -193,8 +177,19 @@ class TorchEngine(Engine):
         return self._route_layers
 
     async def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[list[Completion]]:
+        """Queue the prompts for the decode thread; calls that wait together are batched together."""
         rows = self._check_prompts(prompts, params)
-        return await asyncio.to_thread(self._generate_sync, rows, len(prompts), params)
+        if not rows:
+            return []
+        loop = asyncio.get_running_loop()
+        request = _Request(rows=rows, num_prompts=len(prompts), params=params, loop=loop, future=loop.create_future())
+        with self._queue_cond:
+            self._queue.append(request)
+            self._queue_cond.notify()
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._worker_main, name="torch-engine-decode", daemon=True)
+                self._worker.start()
+        return await request.future
 
     def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Check names/shapes now (ValueError), load in the background, swap at the next step boundary.
@@ -249,13 +244,18 @@ class TorchEngine(Engine):
         return self._ready_version
 
     async def close(self) -> None:
+        """Abort running samples (finish reason 'abort'), fail queued calls, stop the engine's threads."""
         self._closed = True
         with self._stage_cond:
             self._pending = None
             self._stage_cond.notify_all()
-        if self._loader is not None:
-            await asyncio.to_thread(self._loader.join)
-            self._loader = None
+        with self._queue_cond:
+            self._queue_cond.notify_all()
+        for name in ("_loader", "_worker"):
+            thread = getattr(self, name)
+            if thread is not None:
+                await asyncio.to_thread(thread.join)
+                setattr(self, name, None)
 
     # ---------------------------------------------------------------- weight swap
 
@@ -353,28 +353,85 @@ class TorchEngine(Engine):
             rows.extend([arr.astype(np.int64)] * params.n)
         return rows
 
-    def _generate_sync(
-        self, rows: list[np.ndarray], num_prompts: int, params: SamplingParams
-    ) -> list[list[Completion]]:
+    def _worker_main(self) -> None:
+        while True:
+            with self._queue_cond:
+                while not self._queue and not self._closed:
+                    self._queue_cond.wait()
+                if self._closed:
+                    queued, self._queue = list(self._queue), deque()
+                    for req in queued:
+                        _deliver(req, RuntimeError("engine closed before this request ran"))
+                    return
+                batch = self._take_batch()
+            if not batch:
+                continue
+            try:
+                results = self._run_batch(batch)
+            except Exception as exc:  # a failing batch fails its callers, not the decode thread
+                log.exception("generation failed for %d request(s)", len(batch))
+                for req in batch:
+                    _deliver(req, exc)
+                continue
+            for req, result in zip(batch, results, strict=True):
+                _deliver(req, result)
+
+    def _take_batch(self) -> list[_Request]:
+        """The oldest queued request and, in order, the queued ones it can share a batch with (caller locks)."""
+        # Calls whose caller already gave up are dropped unrun (reading done() from this thread is a benign race:
+        # one cancelled a moment later still runs, and its result is discarded by _deliver).
+        live = deque(req for req in self._queue if not req.future.done())
+        if not live:
+            self._queue = live
+            return []
+        first = live.popleft()
+        self._queue = live
+        batch, num_rows = [first], len(first.rows)
+        if first.params.seed is not None:
+            return batch  # a seeded call samples alone, so its draws do not depend on its neighbours
+        key = _merge_key(first.params)
+        kept: deque[_Request] = deque()
+        while self._queue:
+            req = self._queue.popleft()
+            fits = num_rows + len(req.rows) <= self.config.max_batch_sequences
+            if fits and req.params.seed is None and _merge_key(req.params) == key:
+                batch.append(req)
+                num_rows += len(req.rows)
+            else:
+                kept.append(req)
+        self._queue = kept
+        return batch
+
+    def _run_batch(self, batch: list[_Request]) -> list[list[list[Completion]]]:
+        """Generate every row of ``batch`` (in chunks of max_batch_sequences); completions per request."""
+        params = batch[0].params
         rng = self._rng
         if params.seed is not None:
             rng = torch.Generator(device=self.device)
             rng.manual_seed(params.seed)
+        rows = [r for req in batch for r in req.rows]
+        max_new = [req.params.max_new_tokens for req in batch for _ in req.rows]
         flat: list[Completion] = []
-        with self._gen_lock, torch.inference_mode(), ExitStack() as stack:
+        with torch.inference_mode(), ExitStack() as stack:
             with self._swap_lock:
                 self._busy = True
             try:
                 self._recording = set()
                 step = self.config.max_batch_sequences
                 for start in range(0, len(rows), step):
-                    flat.extend(self._generate_batch(rows[start : start + step], params, rng, stack))
+                    chunk = slice(start, start + step)
+                    flat.extend(self._generate_batch(rows[chunk], max_new[chunk], params, rng, stack))
             finally:
                 with self._swap_lock:
                     self._busy = False
                     if self._ready_version is not None:
                         self._swap_locked()
-        return [flat[i * params.n : (i + 1) * params.n] for i in range(num_prompts)]
+        out, offset = [], 0
+        for req in batch:
+            n = req.params.n
+            out.append([flat[offset + i * n : offset + (i + 1) * n] for i in range(req.num_prompts)])
+            offset += len(req.rows)
+        return out
 
     def _routes_of(self, model: PreTrainedModel) -> torch.Tensor:
         """The routes ``[B, S, L, K]`` of the forward ``model`` just ran."""
@@ -383,13 +440,18 @@ class TorchEngine(Engine):
         return forwards[0]
 
     def _generate_batch(
-        self, prompts: list[np.ndarray], params: SamplingParams, rng: torch.Generator, stack: ExitStack
+        self,
+        prompts: list[np.ndarray],
+        max_new_tokens: list[int],
+        params: SamplingParams,
+        rng: torch.Generator,
+        stack: ExitStack,
     ) -> list[Completion]:
         dev = self.device
         num_rows = len(prompts)
         lens = torch.tensor([p.size for p in prompts])
         width = int(lens.max())
-        budgets = torch.clamp(self._max_positions - lens, max=params.max_new_tokens).to(dev)
+        budgets = torch.minimum(self._max_positions - lens, torch.tensor(max_new_tokens)).to(dev)
         max_new = int(budgets.max())
         ids = torch.full((num_rows, width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((num_rows, width), dtype=torch.long)
@@ -498,6 +560,40 @@ class TorchEngine(Engine):
         stack.enter_context(rec)
         rec.take()
         self._recording.add(id(model))
+
+
+@dataclass(slots=True)
+class _Request:
+    """One generate call waiting for (or in) the decode thread."""
+
+    rows: list[np.ndarray]
+    """Prompt ids, each repeated ``params.n`` times."""
+    num_prompts: int
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+def _merge_key(params: SamplingParams) -> tuple:
+    """Calls with equal keys share a batch (n and max_new_tokens may differ: both are per row)."""
+    return (params.temperature, params.top_p, params.top_k, tuple(sorted(params.stop_token_ids)))
+
+
+def _deliver(req: _Request, result: object) -> None:
+    """Resolve a request's future from the decode thread (an exception instance fails it)."""
+
+    def settle() -> None:
+        if req.future.done():  # the caller gave up (cancelled)
+            return
+        if isinstance(result, BaseException):
+            req.future.set_exception(result)
+        else:
+            req.future.set_result(result)
+
+    try:
+        req.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's loop is closed
+        pass
 
 
 def _resolve(fut: asyncio.Future) -> None:

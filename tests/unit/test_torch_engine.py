@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from actors.generator.engine import SamplingParams
-from actors.generator.torch_engine import TorchEngine, TorchEngineConfig, sample_tokens
+from actors.generator.sampling import sample_tokens
+from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
 from async_rl import tokenizer as tt
 from async_rl.models import build_model, save_pretrained_dir, tiny_moe_config
 
@@ -331,3 +332,49 @@ async def test_cuda_engine_logprobs_routes_and_midswap():
     sd = engine.model.state_dict()
     assert all(torch.equal(sd[k].cpu(), v) for k, v in new.items())
     await engine.close()
+
+
+async def test_concurrent_calls_share_batches():
+    engine = make_engine(peaked_model())
+    prefill_rows: list[int] = []
+    reached, go = threading.Event(), threading.Event()
+
+    def pre_hook(module, args, kwargs):
+        ids = kwargs["input_ids"]
+        if ids.shape[1] > 1:  # a prefill
+            prefill_rows.append(int(ids.shape[0]))
+            if len(prefill_rows) == 1:
+                reached.set()
+                assert go.wait(30)
+
+    handle = engine.model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    prompts = prompt_ids()
+    try:
+        first = asyncio.create_task(engine.generate(prompts[:1], SamplingParams(n=2, temperature=1.0)))
+        assert await asyncio.to_thread(reached.wait, 30)
+        # Queued while the decode thread is busy: the two alike calls merge, the greedy one runs on its own.
+        a = asyncio.create_task(engine.generate(prompts[1:3], SamplingParams(n=3, max_new_tokens=4)))
+        b = asyncio.create_task(engine.generate(prompts[3:], SamplingParams(n=2, max_new_tokens=9)))
+        greedy = asyncio.create_task(engine.generate(prompts[:2], SamplingParams(n=1, temperature=0.0)))
+        cancelled = asyncio.create_task(engine.generate(prompts[:1], SamplingParams(n=1)))
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        go.set()
+        results = await asyncio.gather(first, a, b, greedy)
+    finally:
+        go.set()
+        handle.remove()
+    assert prefill_rows == [2, 2 * 3 + 2, 2], prefill_rows  # a and b merged; the cancelled call never ran
+    (r_first,), r_a, r_b, r_greedy = results[0], results[1], results[2], results[3]
+    assert len(r_first) == 2 and [len(g) for g in r_a] == [3, 3] and [len(g) for g in r_b] == [2]
+    assert all(c.token_ids.size <= 4 for g in r_a for c in g) and any(c.token_ids.size > 4 for g in r_b for c in g)
+    cases = [(prompts[1:3], r_a, SamplingParams(max_new_tokens=4)), (prompts[3:], r_b, SamplingParams()),
+             (prompts[:2], r_greedy, SamplingParams(temperature=0.0))]  # fmt: skip
+    for ps, groups, params in cases:
+        for prompt, group in zip(ps, groups, strict=True):
+            for c in group:
+                ref = reference_logprobs(engine.model, prompt, c.token_ids, params)
+                assert np.abs(ref - c.logprobs).max() < LOGPROB_ATOL
+    await engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await engine.generate(prompts[:1], SamplingParams())
