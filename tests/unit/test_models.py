@@ -85,3 +85,45 @@ def test_model_config_validation(tmp_path):
     with pytest.raises(ValueError, match="neither a preset"):
         load_model(tmp_path)
     assert tiny_moe_config(num_experts=8).num_experts == 8
+
+
+@pytest.mark.slow
+async def test_tiny_moe_learns_copy_from_scratch():
+    """Plain on-policy GRPO through the torch engine (weights swapped in every step) lifts copy reward 0.05 -> >0.3."""
+    import numpy as np
+
+    from actors.generator.engine import SamplingParams
+    from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
+    from async_rl.tasks import TaskConfig, build_task
+
+    task = build_task(TaskConfig(name="copy"))
+    policy = build_model("tiny-moe", seed=0).train()
+    engine = TorchEngine(TorchEngineConfig(), model=build_model("tiny-moe", seed=0))
+    opt = torch.optim.Adam(policy.parameters(), lr=2e-3)
+    params = SamplingParams(n=8, max_new_tokens=task.max_new_tokens, temperature=1.0, seed=0)
+    curve = []
+    for step in range(70):
+        prompts = [task.prompt(step * 32 + i) for i in range(32)]
+        groups = await engine.generate([p.prompt_ids for p in prompts], params)
+        ids = torch.zeros(256, 7 + task.max_new_tokens, dtype=torch.long)
+        weight = torch.zeros(ids.shape)
+        rewards = []
+        for b, (p, c) in enumerate((p, c) for p, g in zip(prompts, groups, strict=True) for c in g):
+            ids[b, : p.prompt_ids.size + c.token_ids.size] = torch.from_numpy(
+                np.concatenate([p.prompt_ids, c.token_ids])
+            )
+            weight[b, p.prompt_ids.size : p.prompt_ids.size + c.token_ids.size] = 1.0
+            rewards.append(task.score(p.metadata, c.token_ids).reward)
+        r = torch.tensor(rewards).view(32, 8)
+        adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+        logp = torch.log_softmax(policy(input_ids=ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = -(logp * adv * weight[:, 1:]).sum() / weight[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        engine.stage_weights({k: v.detach().clone() for k, v in policy.state_dict().items()}, step)
+        assert await engine.wait_applied(step, timeout_s=30)
+        curve.append(float(r.mean()))
+    assert np.mean(curve[:5]) < 0.1
+    assert np.mean(curve[-10:]) > 0.3, curve
+    await engine.close()
