@@ -7,7 +7,9 @@ Model: a 7-layer Qwen3-MoE (layer 0 dense, DeepSeek-style; 8 experts, top-2) in 
 activation recompute and router replay. With the same seeded weights and batch on every layout:
 
 * ``free``: logprobs with the model's own routing; ``replayed``: with the HF model's routes replayed;
-  ``recorded``: with the routes this layout itself recorded, replayed (must equal ``free`` exactly);
+  ``recorded``: with the routes this layout itself recorded, replayed (must equal ``free`` exactly, or
+  be no further from it than a repeat of the free forward is, where the layout's kernels are not
+  bitwise deterministic);
 * ``losses``: three optimizer steps (NLL, two micro-batches, replay on), losses and gradient norms;
 * ``export``: weights exported in HF names, reloaded into a fresh transformers model, logprobs
   through the torch backend compared with the layout's own;
@@ -45,6 +47,7 @@ def main() -> int:
     ap.add_argument("--ref", type=Path, default=None)
     ap.add_argument("--tol", type=float, default=2e-4)
     ap.add_argument("--timed-steps", type=int, default=5)
+    ap.add_argument("--follow", action="store_true", help="leader/followers: rank 0 drives, the others follow()")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -66,6 +69,11 @@ def main() -> int:
     sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
     meg = MegatronBackend(mcfg, hf.config, sd)
     rank = torch.distributed.get_rank()
+    if args.follow and rank != 0:
+        meg.follow()  # runs rank 0's calls until rank 0 closes the backend
+        meg.close()  # a no-op after follow() returned: what the learner entry point does
+        torch.distributed.barrier()
+        return 0
     res: dict = {"name": args.name, "world_size": torch.distributed.get_world_size(), "device": torch.cuda.get_device_name(),
                  "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "cp": args.cp, "sp": args.sp,
                             "first_stage_layers": args.first_stage_layers, "last_stage_layers": args.last_stage_layers},
@@ -74,7 +82,11 @@ def main() -> int:
     replayed = meg.forward_logprobs(mb, replay_routes=True).logprobs
     rec = meg.record_routes(mb)
     recorded = meg.forward_logprobs(with_routes(mb, rec), replay_routes=True).logprobs
+    free_again = meg.forward_logprobs(mb, replay_routes=False).logprobs
     res["recorded_replay_max_abs_diff"] = float((recorded - free).abs().max())
+    # Run-to-run noise of this layout's kernels: replay is "exact" when it is no further from the
+    # recorded forward than a repeat of that forward is (0.0 where the layout is deterministic).
+    res["free_repeat_max_abs_diff"] = float((free_again - free).abs().max())
     half = len(lengths) // 2
     from actors.learner.backend import MicroBatch
 
@@ -112,7 +124,7 @@ def main() -> int:
         tensors = {"free": free, "replayed": replayed, "after": after, "losses": torch.tensor(res["losses"])}
         if args.save_ref is not None:
             torch.save(tensors, args.save_ref)
-        checks = {"recorded_replay_exact": res["recorded_replay_max_abs_diff"] == 0.0,
+        checks = {"recorded_replay_exact": res["recorded_replay_max_abs_diff"] <= res["free_repeat_max_abs_diff"],
                   "export_reload": res["export_reload_max_abs_diff"] < args.tol}  # fmt: skip
         if args.ref is not None:
             ref = torch.load(args.ref)
@@ -132,9 +144,10 @@ def main() -> int:
         print(json.dumps(res, indent=2))
     meg.close()
     torch.distributed.barrier()
-    from actors.learner.megatron.launch import shutdown
+    if not args.follow:
+        from actors.learner.megatron.launch import shutdown
 
-    shutdown()
+        shutdown()
     return 0 if rank != 0 or res["passed"] else 1
 
 

@@ -15,6 +15,8 @@ export PYTHONPATH="${PYTHONPATH:-}:$(pwd)"
 
 run() {
   local name=$1 n=$2; shift 2
+  # ONLY="a b": run just these layouts (the reference always runs).
+  if [ -n "${ONLY:-}" ] && [ "$name" != ref ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   echo "=== $name (nproc $n): $*" | tee -a "$out/layouts.log"
   timeout 300 torchrun --standalone --nproc-per-node "$n" scripts/megatron/check_layout.py --name "$name" \
     --out "$work/$name.json" "$@" >"$work/$name.log" 2>&1
@@ -28,6 +30,7 @@ if [ "$kind" = x2 ]; then
   run pp2_first3 2 --pp 2 --first-stage-layers 3 --ref "$ref"
   run pp2_last3 2 --pp 2 --last-stage-layers 3 --ref "$ref"
   run ep2 2 --ep 2 --ref "$ref"
+  run pp2_first3_follow 2 --pp 2 --first-stage-layers 3 --follow --ref "$ref"
   run tp2_sp 2 --tp 2 --sp --ref "$ref"
 else
   run pp2_ep2 4 --pp 2 --ep 2 --first-stage-layers 3 --ref "$ref"

@@ -1,8 +1,14 @@
 """MegatronBackend: the TrainingBackend on megatron-core (TP / PP / EP / CP / DP, router replay, HF export).
 
-Calling convention (multi-rank): every rank of the job calls the same methods in the same order
-(SPMD, as under ``torchrun``); the micro-batches of global rank 0 are broadcast and the others'
-arguments ignored, so only the main rank needs to read the stream. Each micro-batch's rows are split
+Calling convention (multi-rank), either of:
+
+* leader/followers (``async-rl learner`` under torchrun): rank 0 calls the methods; every other rank
+  calls :meth:`MegatronBackend.follow`, which runs the same methods on rank 0's arguments until rank 0
+  calls ``close()``;
+* SPMD (tests, scripts): every rank calls the same methods in the same order; rank 0's arguments are
+  used and the others' ignored.
+
+Either way only the main rank needs to read the stream. Each micro-batch's rows are split
 over data-parallel ranks (contiguous, sizes differing by at most one; an empty share runs one masked
 dummy row so expert-parallel all-to-alls stay matched). Results come back on every rank.
 
@@ -311,12 +317,47 @@ class MegatronBackend(TrainingBackend):
     def num_moe_layers(self) -> int:
         return self.arch.num_moe_layers
 
-    def _broadcast(self, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
+    def _command(self, name: str, payload: dict) -> dict:
+        """Rank 0's (``name``, ``payload``) on every rank: the one place where the main rank's data reaches the others.
+
+        SPMD callers (every rank calls the same method) get rank 0's arguments; :meth:`follow` receives the
+        name too and dispatches. Payloads travel with cloudpickle (so closures such as the learner's loss
+        function, built by ``make_loss_fn``, travel as well).
+        """
         if torch.distributed.get_world_size() == 1:
-            return list(micro_batches)
-        box = [list(micro_batches) if self.is_main_rank else None]
+            return payload
+        import cloudpickle
+
+        box: list = [None]
+        if self.is_main_rank:
+            try:
+                box[0] = cloudpickle.dumps((name, payload))
+            except Exception as e:  # what cannot be pickled is the caller's mistake: say which call
+                raise ValueError(f"arguments of {name}() cannot be sent to the other ranks: {e}") from e
         torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]  # type: ignore[return-value]
+        got_name, got = cloudpickle.loads(box[0])
+        if got_name != name:
+            raise RuntimeError(f"rank {torch.distributed.get_rank()} called {name}() while rank 0 called {got_name}()")
+        return got
+
+    def follow(self) -> None:
+        """Non-main ranks: run the commands the main rank issues (its method calls) until it calls :meth:`close`."""
+        if self.is_main_rank:
+            raise RuntimeError("follow() is for the non-main ranks; the main rank calls the backend's methods")
+        import cloudpickle
+
+        while True:
+            box: list = [None]
+            torch.distributed.broadcast_object_list(box, src=0)
+            name, payload = cloudpickle.loads(box[0])
+            if name not in _FOLLOWED:
+                raise RuntimeError(f"rank 0 sent unknown command {name!r}")
+            result = getattr(self, f"_{name}")(**payload)
+            if name == "export_weights":
+                for _ in result:
+                    pass
+            if name == "close":
+                return
 
     def _share(self, mb: MicroBatch, replay_routes: bool) -> _Item:
         """This rank's DP share of ``mb``, padded for CP/SP, with its replay indices cut on the host."""
@@ -424,7 +465,11 @@ class MegatronBackend(TrainingBackend):
                          reference: bool = False) -> ForwardOutput:  # fmt: skip
         if reference:
             raise ValueError("the Megatron backend keeps no reference model; compute reference logprobs elsewhere")
-        (mb,) = self._broadcast([mb])
+        p = self._command("forward_logprobs", {"mb": mb, "replay_routes": replay_routes, "with_entropy": with_entropy})
+        return self._forward_logprobs(**p)
+
+    @torch.no_grad()
+    def _forward_logprobs(self, mb: MicroBatch, replay_routes: bool, with_entropy: bool) -> ForwardOutput:
         item = self._share(mb, replay_routes)
         got: list[ForwardOutput] = []
 
@@ -465,7 +510,12 @@ class MegatronBackend(TrainingBackend):
 
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, replay_routes: bool = True,
                    with_entropy: bool = False) -> StepResult:  # fmt: skip
-        micro_batches = self._broadcast(micro_batches)
+        p = self._command("train_step", {"micro_batches": list(micro_batches), "loss_fn": loss_fn,
+                                         "replay_routes": replay_routes, "with_entropy": with_entropy})  # fmt: skip
+        return self._train_step(**p)
+
+    def _train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, replay_routes: bool, with_entropy: bool
+                    ) -> StepResult:  # fmt: skip
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
         items = [self._share(mb, replay_routes) for mb in micro_batches]
@@ -496,7 +546,10 @@ class MegatronBackend(TrainingBackend):
         """This model's own routes for ``mb`` in the wire format (``[T_b, moe_layers, top_k]`` uint8/int16 per sample)."""
         if not (self.arch.num_experts and self.cfg.router_replay):
             raise ValueError("record_routes needs an MoE model built with learner.megatron.router_replay = true")
-        (mb,) = self._broadcast([mb])
+        return self._record_routes(**self._command("record_routes", {"mb": mb}))
+
+    @torch.no_grad()
+    def _record_routes(self, mb: MicroBatch) -> list[np.ndarray]:
         item = self._share(mb, replay_routes=False)
 
         def collect(it: _Item, logits: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -568,7 +621,10 @@ class MegatronBackend(TrainingBackend):
         return merged
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named weights (main rank); collective: every rank must call it. Conversion rebuilt on every call."""
+        """HF-named weights (main rank; others yield nothing). Conversion rebuilt on every call."""
+        return self._export_weights(**self._command("export_weights", {}))
+
+    def _export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         glob = self.export_global()
         if glob is None:
             return iter(())
@@ -576,6 +632,9 @@ class MegatronBackend(TrainingBackend):
         return iter(sorted(hf.items()))
 
     def save(self, directory: Path) -> None:
+        self._save(**self._command("save", {"directory": Path(directory)}))
+
+    def _save(self, directory: Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         rank = torch.distributed.get_rank()
@@ -584,6 +643,9 @@ class MegatronBackend(TrainingBackend):
         torch.distributed.barrier()
 
     def load(self, directory: Path) -> None:
+        self._load(**self._command("load", {"directory": Path(directory)}))
+
+    def _load(self, directory: Path) -> None:
         path = Path(directory) / f"megatron_rank{torch.distributed.get_rank():05d}.pt"
         if not path.exists():
             raise ValueError(f"no Megatron checkpoint for this rank at {path}")
@@ -593,9 +655,21 @@ class MegatronBackend(TrainingBackend):
         torch.distributed.barrier()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._close(**self._command("close", {}))
+
+    def _close(self) -> None:
+        self._closed = True
         if self.arch.num_experts and self.cfg.router_replay:
             replay.reset_instances()
         torch.cuda.empty_cache()
+
+    _closed = False
+
+
+_FOLLOWED = ("forward_logprobs", "train_step", "record_routes", "export_weights", "save", "load", "close")
+"""Methods the main rank drives on followers (each has a ``_name`` implementation taking the payload)."""
 
 
 class _null:
