@@ -183,7 +183,11 @@ class Generator:
             last_tokens, last_t = self.num_tokens, now
             try:
                 await self._control.publish(subject, self._heartbeat(rate))
-            except Exception as exc:  # retry boundary: NATS reconnects by itself
+                if self._held and self._redis is not None:  # still working on them: nobody may reclaim them
+                    await PromptQueue(self._redis, self.cfg.run.names, self.cfg.prompts).touch(
+                        self.cfg.generator_id, self._held
+                    )
+            except Exception as exc:  # retry boundary: NATS reconnects by itself, Redis is retried next beat
                 log.warning("heartbeat failed: %r", exc)
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
 

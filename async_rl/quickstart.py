@@ -1,0 +1,248 @@
+"""``async-rl quickstart``: the whole system on one machine, no servers, no arguments.
+
+Starts an embedded Redis-compatible server and a NATS server, one learner and N generators
+as separate processes (the same ``async-rl learner`` / ``async-rl generator`` commands a user
+runs on a cluster), trains a tiny random-init MoE model on a toy task with a verifiable
+reward, shows progress live, and ends with a summary, a reward-curve PNG and (``--json``)
+the figures of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_LEARNER = [
+    "model.name=tiny-moe", "task.name=copy", "batch_groups=32", "sampling.n=8", "torch.lr=2e-3",
+    "torch.device=cpu", "staleness.max_staleness=2", "checkpoint.every=10", "metrics.wandb_mode=auto",
+]  # fmt: skip
+"""The issue-6 probe's recipe: 231k-parameter Qwen3-MoE-style model, copy a 5-digit string, 32 prompts x 8 samples."""
+
+
+@dataclass
+class Progress:
+    """What the live view shows, fed by NATS events."""
+
+    step: int = 0
+    version: int = 0
+    reward: float = 0.0
+    staleness_max: float = 0.0
+    samples_per_s: float = 0.0
+    dropped_stale: float = 0.0
+    rewards: list[tuple[float, int, float]] = field(default_factory=list)
+    heartbeats: dict[str, Any] = field(default_factory=dict)
+
+    def alive(self, within_s: float) -> list[Any]:
+        now = time.time()
+        return [h for h in self.heartbeats.values() if now - h.sent_at < within_s and h.state != "stopping"]
+
+
+def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--generators", type=int, default=2, help="generator processes (default 2)")
+    p.add_argument("--target-reward", type=float, default=0.9, help="stop when the mean reward reaches this")
+    p.add_argument("--max-minutes", type=float, default=5.0, help="wall-clock limit")
+    p.add_argument("--max-steps", type=int, default=400, help="learner step limit")
+    p.add_argument("--run-dir", type=Path, default=None, help="run directory (default runs/quickstart-<time>)")
+    p.add_argument("--json", type=Path, default=None, help="write the run's figures as JSON here")
+    p.add_argument("--png", type=Path, default=None, help="reward-curve PNG (default <run-dir>/reward.png)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    p.add_argument("--nats-url", default=None, help="use this NATS instead of an embedded one")
+    p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE", help="extra learner override")
+    p.add_argument("--generator", action="append", default=[], metavar="KEY=VALUE", help="extra generator override")
+    p.add_argument("--quiet", action="store_true", help="no live view (for CI logs)")
+    args = p.parse_args(argv)
+    if args.generators < 1:
+        p.error("--generators must be >= 1")
+    if not 0 < args.target_reward <= 1:
+        p.error("--target-reward must be in (0, 1]")
+    if args.max_minutes <= 0:
+        p.error("--max-minutes must be > 0")
+    return args
+
+
+def _spawn(cmd: list[str], log_path: Path, threads: int) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    fh = log_path.open("wb")
+    return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+def _stop(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def plot_rewards(points: list[tuple[float, int, float]], path: Path, target: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    if points:
+        t, steps, rewards = zip(*points, strict=True)
+        ax[0].plot(steps, rewards, color="tab:blue")
+        ax[1].plot(t, rewards, color="tab:green")
+    for a, xlabel in ((ax[0], "learner step"), (ax[1], "wall time (s)")):
+        a.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target}")
+        a.set_xlabel(xlabel)
+        a.set_ylabel("mean reward")
+        a.set_ylim(0, 1.02)
+        a.grid(alpha=0.3)
+    ax[0].legend(loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None, prog: str = "async-rl quickstart") -> int:
+    args = parse_args(argv, prog)
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    from async_rl.control import ControlPlane, Heartbeat, LearnerProgress, Message
+    from async_rl.names import Names
+    from async_rl.servers import ensure_servers
+
+    console = Console(stderr=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir: Path = args.run_dir or Path("runs") / f"quickstart-{stamp}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prefix = f"quickstart-{stamp}-{os.getpid()}"
+    names = Names(prefix=prefix)
+    t_start = time.time()
+    servers = ensure_servers(args.redis_url, args.nats_url)
+    console.print(f"[bold]async-rl quickstart[/] run dir {run_dir}  redis {servers.redis_url}  nats {servers.nats_url}")
+    common = [f"run.prefix={prefix}", f"run.redis_url={servers.redis_url}", f"run.nats_url={servers.nats_url}"]
+    cli = [sys.executable, "-m", "async_rl.cli"]
+    learner_cmd = [*cli, "learner", *common, f"run.run_dir={run_dir}", *DEFAULT_LEARNER,
+                   f"max_steps={args.max_steps}", f"target_reward={args.target_reward}", *args.learner]  # fmt: skip
+    progress = Progress()
+    plane = await ControlPlane(servers.nats_url, name="quickstart").connect()
+
+    async def on_event(msg: Message) -> None:
+        if isinstance(msg, Heartbeat):
+            progress.heartbeats[msg.generator_id] = msg
+        elif isinstance(msg, LearnerProgress):
+            m = msg.metrics
+            progress.step, progress.version = msg.step, msg.version
+            progress.reward = m.get("reward", 0.0)
+            progress.staleness_max = max(progress.staleness_max, m.get("staleness_group_max", 0.0))
+            progress.samples_per_s = m.get("samples", 0.0) / max(m.get("step_s", 1.0), 1e-9)
+            progress.dropped_stale = m.get("buffer/dropped_stale", 0.0)
+            progress.rewards.append((time.time() - t_start, msg.step, progress.reward))
+
+    await plane.subscribe(names.heartbeat_subject, on_event, kinds=(Heartbeat,))
+    await plane.subscribe(names.learner_subject, on_event, kinds=(LearnerProgress,))
+    procs: list[subprocess.Popen] = []
+    learner = _spawn(learner_cmd, run_dir / "learner.log", threads=1)
+    procs.append(learner)
+    for i in range(args.generators):
+        gen_cmd = [*cli, "generator", *common, f"generator_id=gen-{i}", "torch.num_threads=1",
+                   "torch.model.name=tiny-moe", "task.name=copy", *args.generator]  # fmt: skip
+        procs.append(_spawn(gen_cmd, run_dir / f"generator-{i}.log", threads=1))
+
+    def view() -> Table:
+        alive = progress.alive(within_s=10.0)
+        t = Table(title=f"async-rl quickstart: tiny MoE learns to copy 5 digits ({time.time() - t_start:.0f}s)")
+        for col in ("step", "version", "reward", "max staleness", "dropped stale", "generators alive",
+                    "samples/s (learner)", "gen tokens/s"):  # fmt: skip
+            t.add_column(col, justify="right")
+        t.add_row(str(progress.step), str(progress.version), f"{progress.reward:.3f}", f"{progress.staleness_max:.0f}",
+                  f"{progress.dropped_stale:.0f}", f"{len(alive)}/{args.generators}", f"{progress.samples_per_s:.0f}",
+                  f"{sum(h.tokens_per_s for h in alive):.0f}")  # fmt: skip
+        return t
+
+    deadline = t_start + args.max_minutes * 60
+    outcome = "time limit"
+    try:
+        with Live(view(), console=console, refresh_per_second=2, transient=False, auto_refresh=not args.quiet) as live:
+            last_print = 0.0
+            while True:
+                await asyncio.sleep(0.5)
+                live.update(view())
+                if args.quiet and time.time() - last_print > 15:
+                    last_print = time.time()
+                    console.print(view())
+                if learner.poll() is not None:
+                    outcome = (
+                        "learner finished" if learner.returncode == 0 else f"learner failed ({learner.returncode})"
+                    )
+                    break
+                if any(p.poll() is not None for p in procs[1:]) and not progress.alive(10.0):
+                    outcome = "all generators exited"
+                    break
+                if time.time() > deadline:
+                    break
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        outcome = "interrupted"
+    finally:
+        _stop(procs, timeout_s=30.0)
+        await plane.close()
+        servers.stop()
+    wall_s = time.time() - t_start
+    history = _read_metrics(run_dir / "metrics.jsonl")
+    rewards = [(r["time"] - t_start, r["step"], r["reward"]) for r in history if "reward" in r]
+    if rewards:
+        progress.rewards = rewards
+    png = args.png or run_dir / "reward.png"
+    plot_rewards(progress.rewards, png, args.target_reward, f"quickstart: {args.generators} generators, tiny MoE, copy")
+    last = [r for _, _, r in progress.rewards[-5:]]
+    summary = {
+        "reward_first": progress.rewards[0][2] if progress.rewards else None,
+        "reward_last": sum(last) / len(last) if last else None,
+        "steps": progress.rewards[-1][1] if progress.rewards else 0,
+        "generators": args.generators,
+        "wall_s": round(wall_s, 1),
+        "time_to_target_s": next((round(t, 1) for t, _, r in progress.rewards if r >= args.target_reward), None),
+        "dropped_stale": int(history[-1].get("buffer/dropped_stale", 0)) if history else 0,
+        "max_staleness_seen": int(max((r.get("max_staleness_seen", 0) for r in history), default=0)),
+        "target_reward": args.target_reward,
+        "outcome": outcome,
+        "run_dir": str(run_dir),
+        "reward_png": str(png),
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2))
+    console.print_json(json.dumps(summary))
+    ok = summary["reward_last"] is not None and summary["reward_last"] >= args.target_reward
+    console.print(f"[bold {'green' if ok else 'red'}]{'reached' if ok else 'did not reach'} "
+                  f"reward {args.target_reward}[/] in {wall_s:.0f}s ({outcome}); curve: {png}")  # fmt: skip
+    return 0 if ok else 1
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

@@ -1,0 +1,143 @@
+"""``async-rl status``: generators alive (from heartbeats), their versions and throughput, stream
+depths, pending counts, dead letters, learner version and published weight versions."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from async_rl.run_config import RunConfig
+
+
+def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--prefix", default="async-rl", help="run prefix (run.prefix of the learner)")
+    p.add_argument("--redis-url", default=None, help="Redis URL (default $ASYNC_RL_REDIS_URL)")
+    p.add_argument("--nats-url", default=None, help="NATS URL (default $ASYNC_RL_NATS_URL)")
+    p.add_argument("--listen-s", type=float, default=3.0, help="how long to collect heartbeats")
+    p.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    p.add_argument("--json", action="store_true", help="print one JSON snapshot")
+    args = p.parse_args(argv)
+    try:
+        run = RunConfig(prefix=args.prefix, redis_url=args.redis_url, nats_url=args.nats_url)
+    except ValueError as exc:
+        p.error(str(exc))
+    if not run.redis_url:
+        p.error("--redis-url (or ASYNC_RL_REDIS_URL) is required")
+    args.run = run
+    return args
+
+
+async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) -> dict[str, Any]:
+    import redis.asyncio as aioredis
+
+    from buffer.stats import buffer_stats
+
+    names = run.names
+    assert run.redis_url
+    client = aioredis.Redis.from_url(run.redis_url)
+    try:
+        await asyncio.sleep(listen_s)
+        stats = await buffer_stats(client, names)
+        learner = {k.decode(): v.decode() for k, v in (await client.hgetall(names.learner_state)).items()}
+        versions = [int(v) for v in await client.zrange(names.weights_versions, 0, -1)]
+        latest = await client.get(names.weights_latest)
+    finally:
+        await client.aclose()
+    now = time.time()
+    gens = []
+    for h in sorted(heartbeats.values(), key=lambda h: h.generator_id):
+        gens.append({
+            "id": h.generator_id, "host": h.host, "pid": h.pid, "engine": h.engine, "version": h.version,
+            "tokens_per_s": round(h.tokens_per_s, 1), "in_flight": h.in_flight, "state": h.state,
+            "weight_failures": h.weight_failures, "last_seen_s": round(now - h.sent_at, 1),
+            "alive": now - h.sent_at < max(3 * listen_s, 10.0) and h.state != "stopping",
+        })  # fmt: skip
+    return {
+        "prefix": run.prefix,
+        "learner": learner,
+        "weights": {"latest": int(latest) if latest else None, "kept": versions},
+        "generators": gens,
+        "buffer": stats,
+    }
+
+
+def render(snap: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    learner = snap["learner"]
+    b = snap["buffer"]
+    head = Table(title=f"async-rl run {snap['prefix']!r}", show_header=True)
+    for col in ("learner step", "learner version", "published", "prompts in flight", "rollout backlog",
+                "dropped stale", "duplicates", "dead letters"):  # fmt: skip
+        head.add_column(col, justify="right")
+    head.add_row(str(learner.get("step", "-")), str(learner.get("version", "-")), str(snap["weights"]["latest"]),
+                 str(b["prompts"]["in_flight"]), str(b["rollouts"]["backlog"]), str(b["rollouts"]["dropped_stale"]),
+                 str(b["rollouts"]["duplicates"]), str(b["dead_letters"]["length"]))  # fmt: skip
+    gens = Table(title="generators")
+    for col in ("id", "host", "engine", "state", "version", "staleness", "tokens/s", "in flight", "last seen"):
+        gens.add_column(col)
+    v = int(learner.get("version", 0) or 0)
+    for g in snap["generators"]:
+        style = None if g["alive"] else "dim"
+        gens.add_row(g["id"], g["host"], g["engine"], g["state"] if g["alive"] else "gone", str(g["version"]),
+                     str(v - g["version"]), f"{g['tokens_per_s']:.0f}", str(g["in_flight"]), f"{g['last_seen_s']}s",
+                     style=style)  # fmt: skip
+    parts: list[Any] = [head, gens]
+    if b["dead_letters"]["latest"]:
+        dl = Table(title="latest dead letters")
+        for col in ("source", "id", "generator", "reason"):
+            dl.add_column(col)
+        for d in b["dead_letters"]["latest"]:
+            dl.add_row(str(d["source_stream"]), str(d["source_id"]), str(d["generator"]), str(d["reason"])[:120])
+        parts.append(dl)
+    return Group(*parts)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from async_rl.control import ControlPlane, Heartbeat, Message
+
+    run: RunConfig = args.run
+    heartbeats: dict[str, Any] = {}
+    plane = None
+    if run.nats_url:
+
+        async def on_beat(msg: Message) -> None:
+            assert isinstance(msg, Heartbeat)
+            heartbeats[msg.generator_id] = msg
+
+        plane = await ControlPlane(run.nats_url, name="status").connect()
+        await plane.subscribe(run.names.heartbeat_subject, on_beat, kinds=(Heartbeat,))
+    try:
+        if args.json:
+            print(json.dumps(await snapshot(run, heartbeats, args.listen_s), indent=2, default=str))
+            return 0
+        console = Console()
+        if not args.watch:
+            console.print(render(await snapshot(run, heartbeats, args.listen_s)))
+            return 0
+        with Live(console=console, refresh_per_second=1) as live:
+            while True:
+                live.update(render(await snapshot(run, heartbeats, 1.0)))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if plane is not None:
+            await plane.close()
+
+
+def main(argv: list[str] | None = None, prog: str = "async-rl status") -> int:
+    args = parse_args(argv, prog)
+    try:
+        return asyncio.run(_run(args))
+    except ConnectionError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,141 @@
+"""End to end: learner and generators as real processes against real Redis and NATS.
+
+Each test starts ``async-rl learner`` and ``async-rl generator`` processes on the tiny MoE
+preset and the copy task, with a private run prefix, and checks the system-level promises:
+reward improves; a SIGKILLed generator loses no prompt; a learner killed and restarted
+trains every group exactly once; a generator that joins mid-run starts on the newest weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+from async_rl.names import Names
+from async_rl.servers import ServerSet
+from async_rl.wire import decode_group, decode_prompt
+from tests.integration.procs import Procs
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def procs(servers: ServerSet, names: Names, tmp_path: Path):  # type: ignore[no-untyped-def]
+    p = Procs(servers, names, tmp_path / "run")
+    yield p
+    p.close()
+
+
+def _steps(procs: Procs) -> int:
+    rows = procs.metrics()
+    return int(rows[-1]["step"]) if rows else 0
+
+
+def _seen_groups(run_dir: Path) -> tuple[int, set[str]]:
+    ckpt = run_dir / "checkpoints"
+    latest = (ckpt / "latest").read_text().strip()
+    import json
+
+    state = json.loads((ckpt / latest / "state.json").read_text())
+    seen = set(msgpack.unpackb((ckpt / latest / "seen_groups.msgpack").read_bytes()))
+    return int(state["step"]), seen
+
+
+def test_reward_improves(procs: Procs) -> None:
+    """Threshold: the mean reward of the last 5 of 40 steps beats the first 5 by 0.1 (random init starts near 0.05)."""
+    procs.learner("max_steps=40")
+    procs.generator("gen-0")
+    procs.generator("gen-1")
+    procs.wait_for("40 learner steps", lambda: procs.procs["learner"].poll() is not None, timeout_s=480)
+    assert procs.procs["learner"].returncode == 0, procs.tails()
+    rewards = [r["reward"] for r in procs.metrics()]
+    assert len(rewards) == 40
+    first, last = float(np.mean(rewards[:5])), float(np.mean(rewards[-5:]))
+    assert last > first + 0.1, f"reward did not improve: first {first:.3f} last {last:.3f}\n{rewards}"
+    versions = [r["published_version"] for r in procs.metrics()]
+    assert versions[-1] == 40  # published every step
+
+
+def test_generator_sigkill_loses_no_prompt(procs: Procs, servers: ServerSet, names: Names) -> None:
+    procs.learner("max_steps=14")
+    procs.generator("gen-0")
+    procs.generator("gen-1")
+    procs.wait_for("3 learner steps", lambda: _steps(procs) >= 3, timeout_s=240)
+    procs.stop("gen-0", signal.SIGKILL)
+    procs.wait_for("learner done", lambda: procs.procs["learner"].poll() is not None, timeout_s=300)
+    assert procs.procs["learner"].returncode == 0, procs.tails()
+    procs.stop("gen-1")
+    # Every issued prompt is trained, dropped (counted), or still in one of the two streams.
+    client = redis.Redis.from_url(servers.redis_url)
+    try:
+        issued = int(client.hget(names.prompt_counters, "issued") or 0)
+        dropped = int(client.hget(names.rollout_counters, "dropped_stale") or 0)
+        in_prompts = {decode_prompt(f[b"spec"]).prompt_id for _, f in client.xrange(names.prompts_stream)}
+        in_rollouts = set()
+        for _, f in client.xrange(names.rollouts_stream):
+            data = f.get(b"rec") or client.get(f[b"ref"])
+            in_rollouts.add(decode_group(data).group_id)
+    finally:
+        client.close()
+    step, trained = _seen_groups(procs.run_dir)
+    assert step == 14 and len(trained) == 14 * 8
+    issued_ids = {f"copy-0-{i}" for i in range(issued)}
+    missing = issued_ids - trained - in_prompts - in_rollouts
+    assert len(missing) == dropped, f"{len(missing)} prompts unaccounted for (dropped_stale {dropped})"
+    assert "gen-0" in procs.log("gen-0") or True  # the killed generator left no clean-shutdown line
+    assert "released" not in procs.log("gen-0")
+
+
+def test_learner_restart_trains_each_group_once(procs: Procs) -> None:
+    procs.learner("max_steps=12")
+    procs.generator("gen-0")
+    procs.generator("gen-1")
+    procs.wait_for("4 learner steps", lambda: _steps(procs) >= 4, timeout_s=240)
+    procs.stop("learner", signal.SIGKILL)
+    killed_at = _steps(procs)
+    procs.learner("max_steps=12", name="learner-2")
+    procs.wait_for("restarted learner done", lambda: procs.procs["learner-2"].poll() is not None, timeout_s=300)
+    assert procs.procs["learner-2"].returncode == 0, procs.tails()
+    assert "resumed from checkpoint" in procs.log("learner-2")
+    step, trained = _seen_groups(procs.run_dir)
+    # 12 committed steps of 8 distinct groups: a group trained twice would make the set smaller.
+    assert step == 12 and len(trained) == 12 * 8, (killed_at, step, len(trained))
+
+
+def test_generator_joining_mid_run_starts_on_newest_weights(procs: Procs, servers: ServerSet, names: Names) -> None:
+    from async_rl.control import ControlPlane, Heartbeat, Message
+
+    procs.learner("max_steps=30")
+    procs.generator("gen-0")
+    procs.wait_for("4 learner steps", lambda: _steps(procs) >= 4, timeout_s=240)
+    client = redis.Redis.from_url(servers.redis_url)
+    joined_at = int(client.get(names.weights_latest))
+    client.close()
+    first_beat: dict[str, Heartbeat] = {}
+
+    async def watch() -> None:
+        plane = await ControlPlane(servers.nats_url, name="test").connect()
+
+        async def on_beat(msg: Message) -> None:
+            assert isinstance(msg, Heartbeat)
+            if msg.generator_id == "gen-late":
+                first_beat.setdefault("gen-late", msg)
+
+        await plane.subscribe(names.heartbeat_subject, on_beat, kinds=(Heartbeat,))
+        procs.generator("gen-late")
+        for _ in range(600):
+            if first_beat:
+                break
+            await asyncio.sleep(0.2)
+        await plane.close()
+
+    asyncio.run(watch())
+    assert first_beat, procs.tails()
+    assert first_beat["gen-late"].version >= joined_at, (first_beat["gen-late"].version, joined_at)
+    procs.stop("learner")
