@@ -38,12 +38,23 @@ class ParamSlots:
 
     slots: dict[str, _Slot]
     root_numel: dict[str, int]
+    tied: set[str]
+    """Names that alias another parameter's storage (tied embeddings)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.slots = {}
         self.root_numel = {}
+        self.tied = set()
+        owner: dict[tuple[int, tuple[int, ...]], str] = {}
         for name, tensor in model.state_dict(keep_vars=True).items():
             data = tensor.data if isinstance(tensor, nn.Parameter) else tensor
+            key = (data.data_ptr(), tuple(data.shape))
+            if key in owner:
+                # A tied weight (lm_head sharing the embedding): accepted under either name, needed under one.
+                self.slots[name] = _Slot(owner[key], data)
+                self.tied.add(name)
+                continue
+            owner[key] = name
             self.root_numel[name] = data.numel()
             self.slots[name] = _Slot(name, data)
             m = _FUSED_EXPERTS.match(name)
@@ -72,6 +83,8 @@ class ParamSlots:
                 raise ValueError(f"weight {name} has shape {tuple(t.shape)}, the model needs {tuple(slot.view.shape)}")
             if t.dtype.is_floating_point != slot.view.dtype.is_floating_point:
                 raise ValueError(f"weight {name} has dtype {t.dtype}, the model holds {slot.view.dtype}")
+            if name in self.tied and slot.root in tensors:
+                continue  # both names of a tied weight were sent: count it once
             covered[slot.root] += slot.view.numel()
         wrong = sorted(n for n, c in covered.items() if c != self.root_numel[n])
         if wrong:

@@ -378,3 +378,19 @@ async def test_concurrent_calls_share_batches():
     await engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         await engine.generate(prompts[:1], SamplingParams())
+
+
+async def test_tied_embeddings_load_under_either_name():
+    from async_rl.models import tiny_dense_config
+
+    config = tiny_dense_config(tie_word_embeddings=True)
+    engine = make_engine(build_model(config, seed=0))
+    src = build_model(config, seed=3).state_dict()
+    engine.stage_weights({k: v for k, v in src.items() if k != "lm_head.weight"}, 1)  # as save_pretrained writes it
+    assert await engine.wait_applied(1, timeout_s=30)
+    assert torch.equal(engine.model.lm_head.weight, src["model.embed_tokens.weight"])
+    engine.stage_weights(src, 2)  # both names (a state_dict export)
+    assert await engine.wait_applied(2, timeout_s=30)
+    with pytest.raises(ValueError, match="incomplete"):
+        engine.stage_weights({k: v for k, v in src.items() if "embed_tokens" not in k and k != "lm_head.weight"}, 3)
+    await engine.close()
