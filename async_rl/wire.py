@@ -321,7 +321,7 @@ def _group_to_wire(rec: GroupRecord) -> _GroupW:
     )
 
 
-def _version_of(data: bytes | memoryview) -> int | None:
+def _version_of(data: bytes | bytearray | memoryview) -> int | None:
     try:
         return _HEADER_DECODER.decode(data).v
     except (msgspec.DecodeError, ValueError):
@@ -373,9 +373,9 @@ def decode_group(data: bytes | bytearray | memoryview) -> GroupRecord:
         _check_finish(sw.fin, f"{path}.finish_reason")
         if not math.isfinite(sw.rw):
             raise WireError(f"{path}.reward must be finite, got {sw.rw}")
-        for k, v in sw.info.items():
-            if not math.isfinite(v):
-                raise WireError(f"{path}.reward_info[{k!r}] must be finite, got {v}")
+        for name, value in sw.info.items():
+            if not math.isfinite(value):
+                raise WireError(f"{path}.reward_info[{name!r}] must be finite, got {value}")
         samples.append(
             Sample(
                 response_ids=ids,

@@ -91,7 +91,7 @@ class DeadLetters:
         if payload is None:
             payload = (fields or {}).get(payload_field)
         size = len(payload) if payload is not None else 0
-        letter: dict[str, Any] = {
+        letter: dict[Any, Any] = {
             "reason": reason,
             "source_stream": source_stream,
             "source_id": source_id,
@@ -115,6 +115,7 @@ class DeadLetters:
     async def read(self, count: int = 100, newest_first: bool = True) -> list[DeadLetter]:
         """Up to ``count`` dead letters."""
         stream = self.names.dead_letters_stream
+        rows: Any
         if newest_first:
             rows = await self.redis.xrevrange(stream, count=count)
         else:

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -241,12 +242,12 @@ class PromptQueue:
         ids = [e if isinstance(e, str) else e.entry_id for e in entries]
         if not ids:
             return 0
-        claimed = await self.redis.xclaim(
+        claimed: Any = await self.redis.xclaim(
             self.names.prompts_stream,
             self.names.prompts_group,
             RELEASED_CONSUMER,
             0,
-            ids,
+            list[Any](ids),
             idle=RELEASED_IDLE_MS,
             justid=True,
         )
@@ -259,7 +260,7 @@ class PromptQueue:
         ids = [e if isinstance(e, str) else e.entry_id for e in entries]
         if not ids:
             return 0
-        claimed = await self.redis.xclaim(
-            self.names.prompts_stream, self.names.prompts_group, consumer, 0, ids, justid=True
+        claimed: Any = await self.redis.xclaim(
+            self.names.prompts_stream, self.names.prompts_group, consumer, 0, list[Any](ids), justid=True
         )
         return len(claimed)

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -139,7 +140,7 @@ class RolloutWriter:
         """Append an already encoded record (benchmarks, relays)."""
         if self._backlog is None or self._backlog >= self.cfg.max_backlog - 1:
             await self.wait_for_room()
-        fields: dict[bytes, bytes | memoryview | str] = {_GENERATOR: generator_id, _GROUP_ID: group_id}
+        fields: dict[Any, Any] = {_GENERATOR: generator_id, _GROUP_ID: group_id}
         async with self.redis.pipeline(transaction=True) as pipe:
             if len(data) <= self.cfg.inline_max_bytes:
                 fields[_RECORD] = data
@@ -160,7 +161,7 @@ class RolloutWriter:
             return
         acks = self.names.rollout_acks_stream
         # Take the acks cursor *before* looking at the backlog again: an ack landing in between still wakes us.
-        last = await self.redis.xrevrange(acks, count=1)
+        last: Any = await self.redis.xrevrange(acks, count=1)
         cursor = sid(last[0][0]) if last else "0-0"
         backlog = await self.backlog()
         if backlog < self.cfg.max_backlog:
@@ -181,7 +182,7 @@ class RolloutWriter:
                     f"{self.cfg.backpressure_timeout_s:.0f} s (is the learner running?)"
                 )
             block_ms = max(1, int(min(remaining, _WAIT_SLICE_S) * 1000))
-            resp = await self.redis.xread({acks: cursor}, count=_ACKS_MAXLEN, block=block_ms)
+            resp: Any = await self.redis.xread({acks: cursor}, count=_ACKS_MAXLEN, block=block_ms)
             if resp:
                 cursor = sid(resp[0][1][-1][0])
             backlog = await self.backlog()
@@ -317,10 +318,10 @@ class RolloutReader:
         One GET each: they are all large (> inline_max_bytes), so a round trip is small next to the
         transfer, and pipelining them measured slower here (the client buffers every reply at once).
         """
-        out = {}
+        out: dict[str, bytes] = {}
         for eid, f in raw:
             if f and _RECORD not in f and _PAYLOAD_KEY in f:
-                value = await self.redis.get(f[_PAYLOAD_KEY])
+                value: Any = await self.redis.get(f[_PAYLOAD_KEY])
                 if value is not None:
                     out[eid] = value
         return out

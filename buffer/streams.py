@@ -63,7 +63,7 @@ async def read_group(
     redis: aioredis.Redis, stream: str, group: str, consumer: str, start: str, count: int, block_ms: int
 ) -> list[RawEntry]:
     """``XREADGROUP`` from ``start`` (``">"``: new entries; ``"0"``: this consumer's own pending ones)."""
-    resp = await redis.xreadgroup(
+    resp: Any = await redis.xreadgroup(
         group, consumer, {stream: start}, count=count, block=block_ms if block_ms > 0 else None
     )
     if not resp:
@@ -99,7 +99,9 @@ class Reclaimer:
         now = time.monotonic()
         if self.cursor == "0-0" and now < self.next_scan_at and not force:
             return []
-        resp = await redis.xautoclaim(self.stream, self.group, consumer, min_idle_ms, start_id=self.cursor, count=count)
+        resp: Any = await redis.xautoclaim(
+            self.stream, self.group, consumer, min_idle_ms, start_id=self.cursor, count=count
+        )
         self.cursor = sid(resp[0])
         if self.cursor == "0-0":
             self.next_scan_at = now + min(min_idle_ms / 4000, MAX_RESCAN_S)
@@ -112,7 +114,7 @@ async def delivery_counts(
     """How many times each of ``ids`` (pending on ``consumer``) has been delivered."""
     if not ids:
         return {}
-    rows = await redis.xpending_range(stream, group, min=min(ids, key=_id_key), max=max(ids, key=_id_key),
+    rows: Any = await redis.xpending_range(stream, group, min=min(ids, key=_id_key), max=max(ids, key=_id_key),
                                       count=len(ids) * 4 + 16, consumername=consumer)  # fmt: skip
     wanted = set(ids)
     return {sid(r["message_id"]): int(r["times_delivered"]) for r in rows if sid(r["message_id"]) in wanted}

@@ -170,7 +170,7 @@ async def _run_ours(redis: Any, names: Names, recs: list[GroupRecord], batch: in
         chunk = recs[i : i + batch]
         for rec in chunk:
             await writer.append(rec)
-        got = []
+        got: list[Any] = []
         while len(got) < len(chunk):
             got += await reader.read("bench", count=len(chunk) - len(got), block_ms=1000)
         await reader.ack(got)
