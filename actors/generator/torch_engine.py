@@ -19,7 +19,9 @@ Weight hot-swap: :meth:`TorchEngine.stage_weights` (any thread) checks the names
 then a loader thread copies the tensors into a standby copy of the model while generation
 continues on the active one; at the next step boundary the two references are exchanged, so
 the pause (:attr:`TorchEngine.last_swap_pause_s`) is a pointer swap whatever the model size.
-The KV cache carries over, and the tokens sampled after the swap carry the new version.
+The KV cache carries over, and the tokens sampled after the swap carry the new version. The
+standby (created with the first staged version) doubles the parameter memory. A staged version
+must be complete (every weight, in state_dict or checkpoint names: see :mod:`.param_slots`).
 """
 
 from __future__ import annotations
