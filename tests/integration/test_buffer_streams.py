@@ -282,3 +282,16 @@ async def test_stats_of_an_empty_run_and_client_checks(redis_client, names, serv
         PromptQueue(object(), names)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="buffer.rollouts.max_backlog must be >= 1"):
         RolloutWriterConfig(max_backlog=0)
+
+
+async def test_prompt_touch_keeps_a_live_generators_prompts(redis_client, names):
+    q = PromptQueue(redis_client, names, PromptQueueConfig(reclaim_idle_ms=1000))
+    other = PromptQueue(redis_client, names, PromptQueueConfig(reclaim_idle_ms=1000))
+    await q.issue(_specs(1), version=0)
+    held = await q.read("gen-slow", count=1)
+    await asyncio.sleep(0.7)
+    assert await q.touch("gen-slow", held) == 1
+    await asyncio.sleep(0.5)  # 1.2 s since the read, 0.5 s since the touch
+    assert await other.read("gen-b", count=1) == []
+    await asyncio.sleep(0.7)  # now idle 1.2 s since the touch: abandoned
+    assert [e.spec.prompt_id for e in await other.read("gen-b", count=1)] == ["p0"]
