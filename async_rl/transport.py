@@ -23,9 +23,10 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import unquote, urlparse
 
+from async_rl.checksums import CHECKSUMS, checksum_stream
 from async_rl.names import Names
 
 # Kernel socket buffers large enough to keep the loopback pipe full between recv_into calls.
@@ -74,6 +75,11 @@ class BucketTransport(abc.ABC):
     @abc.abstractmethod
     async def get(self, version: int, index: int) -> memoryview:
         """The bytes of a bucket, writable or read-only; raises :class:`BucketMissing` if absent."""
+
+    async def get_checked(self, version: int, index: int, checksum: str) -> tuple[memoryview, int]:
+        """The bucket and its checksum under ``checksum`` (a transport that can hash while receiving does)."""
+        buf = await self.get(version, index)
+        return buf, await asyncio.to_thread(CHECKSUMS[checksum], buf)
 
     @abc.abstractmethod
     async def delete(self, version: int, num_buckets: int) -> None:
@@ -156,8 +162,11 @@ class RespConnection:
         if line != b"+OK":
             raise TransportError(f"unexpected reply to SET {key}: {line!r}")
 
-    def get(self, key: str) -> bytearray | None:
-        """The value of ``key`` read straight into a new buffer, or None when absent."""
+    def get(self, key: str, hasher: Any = None) -> bytearray | None:
+        """The value of ``key`` read straight into a new buffer, or None when absent.
+
+        With ``hasher`` (``update(bytes)``), every chunk is hashed as it arrives, while it is still in cache.
+        """
         self.sock.sendall(_command(b"GET", key.encode()))
         line = self._reply_line()
         if not line.startswith(b"$"):
@@ -170,10 +179,14 @@ class RespConnection:
         got = min(len(self._pending), n)
         view[:got] = self._pending[:got]
         del self._pending[:got]
+        if hasher is not None and got:
+            hasher.update(view[:got])
         while got < n:
             r = self.sock.recv_into(view[got:])
             if r == 0:
                 raise TransportError("Redis closed the connection mid-value")
+            if hasher is not None:
+                hasher.update(view[got : got + r])
             got += r
         while len(self._pending) < 2:
             chunk = self.sock.recv(2 - len(self._pending))
@@ -236,6 +249,14 @@ class RedisTransport(BucketTransport):
         if buf is None:
             raise BucketMissing(f"bucket {index} of weights version {version} is missing ({key})")
         return memoryview(buf)
+
+    async def get_checked(self, version: int, index: int, checksum: str) -> tuple[memoryview, int]:
+        key = self.names.weights_bucket(version, index)
+        hasher = checksum_stream(checksum)
+        buf = await asyncio.to_thread(self._run, lambda c: c.get(key, hasher))
+        if buf is None:
+            raise BucketMissing(f"bucket {index} of weights version {version} is missing ({key})")
+        return memoryview(buf), hasher.intdigest()
 
     async def delete(self, version: int, num_buckets: int) -> None:
         keys = [self.names.weights_bucket(version, i) for i in range(num_buckets)]

@@ -222,9 +222,8 @@ class WeightSync:
             self.last_fetch = fetched
             self.num_staged += 1
             log.info(
-                "staged weights v%d: %.1f MB in %.2fs (%.2f GB/s; transfer %.2fs, verify %.2fs)",
-                fetched.version, fetched.manifest.total_bytes / 1e6, fetched.total_s, fetched.gbps,
-                fetched.transfer_s, fetched.verify_s,
+                "staged weights v%d: %.1f MB in %.2fs (%.2f GB/s; waiting for verified bytes %.2fs)",
+                fetched.version, fetched.manifest.total_bytes / 1e6, fetched.total_s, fetched.gbps, fetched.transfer_s,
             )  # fmt: skip
             return True
         return False

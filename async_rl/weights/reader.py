@@ -20,7 +20,7 @@ import torch
 
 from async_rl.names import Names
 from async_rl.transport import BucketMissing, BucketTransport
-from async_rl.weights.manifest import CHECKSUMS, Manifest, ManifestError, view_tensor
+from async_rl.weights.manifest import Manifest, ManifestError, view_tensor
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +72,12 @@ class FetchedVersion:
     manifest: Manifest
     tensors: dict[str, torch.Tensor]
     transfer_s: float
-    """Time waiting for bucket bytes (not overlapped with verification)."""
-    verify_s: float
-    """Time computing checksums."""
+    """Time waiting for verified bucket bytes (checksums are computed by the transport while it receives)."""
     total_s: float
 
     @property
     def gbps(self) -> float:
         return self.manifest.total_bytes / max(self.total_s, 1e-9) / 1e9
-
-
-def _checksum(name: str, buf: memoryview) -> int:
-    return CHECKSUMS[name](buf)
 
 
 class WeightReader:
@@ -161,31 +155,30 @@ class WeightReader:
 
         def request(i: int) -> None:
             if i < n:
-                pending[i] = asyncio.create_task(self.transport.get(version, i), name=f"weights-get-v{version}-b{i}")
+                pending[i] = asyncio.create_task(
+                    self.transport.get_checked(version, i, manifest.checksum), name=f"weights-get-v{version}-b{i}"
+                )
 
         for i in range(min(n, 1 + self.cfg.prefetch_buckets)):
             request(i)
         buffers: list[memoryview] = []
-        transfer_s = verify_s = 0.0
+        transfer_s = 0.0
         renew_every_s = self.cfg.lease_ttl_s / 3
         renewed_at = time.monotonic()
         for i, entry in enumerate(manifest.buckets):
             t1 = time.perf_counter()
             try:
-                buf = await pending.pop(i)
+                buf, got = await pending.pop(i)
             except BucketMissing as exc:
                 raise VersionUnavailable(f"weights version {version}: {exc}") from exc
             request(i + 1 + self.cfg.prefetch_buckets)
-            t2 = time.perf_counter()
+            transfer_s += time.perf_counter() - t1
             if buf.nbytes != entry.nbytes:
                 raise CorruptVersion(f"weights v{version} bucket {i}: {buf.nbytes} bytes, manifest says {entry.nbytes}")
-            got = await asyncio.to_thread(_checksum, manifest.checksum, buf)
             if got != entry.checksum:
                 raise CorruptVersion(
                     f"weights v{version} bucket {i}: {manifest.checksum} {got:#x} != manifest {entry.checksum:#x}"
                 )
-            verify_s += time.perf_counter() - t2
-            transfer_s += t2 - t1
             buffers.append(buf)
             if time.monotonic() - renewed_at > renew_every_s:
                 renewed_at = time.monotonic()
@@ -196,4 +189,4 @@ class WeightReader:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             tensors = {e.name: view_tensor(buffers[e.bucket], e) for e in manifest.tensors}
         total_s = time.perf_counter() - t0
-        return FetchedVersion(version, manifest, tensors, transfer_s, verify_s, total_s)
+        return FetchedVersion(version, manifest, tensors, transfer_s, total_s)

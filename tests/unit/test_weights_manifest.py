@@ -12,6 +12,7 @@ from async_rl.weights.manifest import (
     BucketEntry,
     Manifest,
     ManifestError,
+    checksum_stream,
     pack_bucket,
     plan_buckets,
     view_tensor,
@@ -129,6 +130,17 @@ def test_checksums_detect_one_flipped_bit() -> None:
         data[100] ^= 0x01
         assert fn(memoryview(data)) != before, name
         data[100] ^= 0x01
+
+
+def test_streaming_checksums_equal_one_shot() -> None:
+    data = memoryview(bytearray(torch.randn(100_003).numpy().tobytes()))
+    for name, fn in CHECKSUMS.items():
+        h = checksum_stream(name)
+        for start in range(0, data.nbytes, 65_537):  # uneven chunks, as recv_into delivers them
+            h.update(data[start : start + 65_537])
+        assert h.intdigest() == fn(data), name
+    with pytest.raises(ValueError, match="unknown checksum 'md5'"):
+        checksum_stream("md5")
 
 
 def test_config_errors_name_the_field() -> None:
