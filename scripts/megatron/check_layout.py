@@ -7,9 +7,8 @@ Model: a 7-layer Qwen3-MoE (layer 0 dense, DeepSeek-style; 8 experts, top-2) in 
 activation recompute and router replay. With the same seeded weights and batch on every layout:
 
 * ``free``: logprobs with the model's own routing; ``replayed``: with the HF model's routes replayed;
-  ``recorded``: with the routes this layout itself recorded, replayed (must equal ``free`` exactly, or
-  be no further from it than a repeat of the free forward is, where the layout's kernels are not
-  bitwise deterministic);
+  ``recorded``: with the routes this layout itself recorded, replayed: bit-exact on an unpadded batch
+  (every row replayed), within ``--tol`` on a padded one (pad rows get dummy experts under replay);
 * ``losses``: three optimizer steps (NLL, two micro-batches, replay on), losses and gradient norms;
 * ``export``: weights exported in HF names, reloaded into a fresh transformers model, logprobs
   through the torch backend compared with the layout's own;
@@ -83,6 +82,13 @@ def main() -> int:
     rec = meg.record_routes(mb)
     recorded = meg.forward_logprobs(with_routes(mb, rec), replay_routes=True).logprobs
     free_again = meg.forward_logprobs(mb, replay_routes=False).logprobs
+    # Without padding, recorded routes cover every row, so replay must reproduce the forward bit for bit.
+    # (With padding, pad rows get dummy experts under replay but their own routing in the free forward,
+    # which changes per-expert GEMM row counts and so, on some layouts, the last bit of real tokens.)
+    flat = make_batch(cfg, [64] * 4, seed=12)
+    flat_free = meg.forward_logprobs(flat, replay_routes=False).logprobs
+    flat_rec = meg.forward_logprobs(with_routes(flat, meg.record_routes(flat)), replay_routes=True).logprobs
+    res["recorded_replay_unpadded_max_abs_diff"] = float((flat_rec - flat_free).abs().max())
     res["recorded_replay_max_abs_diff"] = float((recorded - free).abs().max())
     # Run-to-run noise of this layout's kernels: replay is "exact" when it is no further from the
     # recorded forward than a repeat of that forward is (0.0 where the layout is deterministic).
@@ -124,7 +130,8 @@ def main() -> int:
         tensors = {"free": free, "replayed": replayed, "after": after, "losses": torch.tensor(res["losses"])}
         if args.save_ref is not None:
             torch.save(tensors, args.save_ref)
-        checks = {"recorded_replay_exact": res["recorded_replay_max_abs_diff"] <= res["free_repeat_max_abs_diff"],
+        checks = {"recorded_replay_exact": res["recorded_replay_unpadded_max_abs_diff"] == 0.0,
+                  "recorded_replay_padded": res["recorded_replay_max_abs_diff"] < args.tol,
                   "export_reload": res["export_reload_max_abs_diff"] < args.tol}  # fmt: skip
         if args.ref is not None:
             ref = torch.load(args.ref)
