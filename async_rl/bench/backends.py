@@ -52,6 +52,17 @@ def model_flops_per_token(cfg, seq_len: int) -> float:  # type: ignore[no-untype
     return 6.0 * n + attn
 
 
+def _profile(step, label: str) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"--- top CUDA kernels, one step: {label}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+
+
 def _time_steps(step, warmup: int, steps: int) -> list[float]:  # type: ignore[no-untyped-def]
     import torch
 
@@ -82,6 +93,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--backends", default="megatron,torch", help="comma-separated: megatron, torch")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step of each backend")
     args = ap.parse_args(argv)
     for name in ("layers", "hidden", "experts", "top_k", "moe_ffn", "vocab", "seq", "batch", "micro_batches", "steps"):
         if getattr(args, name) <= 0:
@@ -120,20 +132,23 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
                "mfu": (fpt * tps / peak) if peak else None,
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
         rows.append(row)
-        print(f"{backend:9s} {setting:32s} {med * 1e3:8.1f} ms/step {tps:10.0f} tok/s "
+        print(f"{backend:9s} {setting:52s} {med * 1e3:8.1f} ms/step {tps:10.0f} tok/s "
               f"MFU {row['mfu'] if row['mfu'] is None else round(100 * row['mfu'], 1)}%", flush=True)  # fmt: skip
 
     if "megatron" in backends:
         from actors.learner.megatron.backend import MegatronBackend
         from actors.learner.megatron.config import MegatronConfig
 
-        for recompute in (False, True):
+        for attention, recompute in (("sdpa", False), ("unfused", False), ("sdpa", True)):
             torch.cuda.reset_peak_memory_stats()
-            meg = MegatronBackend(MegatronConfig(dtype="bfloat16", recompute=recompute, lr=1e-5), hf.config, sd)
+            mcfg = MegatronConfig(dtype="bfloat16", recompute=recompute, lr=1e-5, attention=attention)
+            meg = MegatronBackend(mcfg, hf.config, sd)
             times = _time_steps(
                 lambda meg=meg: meg.train_step(mbs, nll_loss, replay_routes=True), args.warmup, args.steps
             )
-            record("megatron", f"local spec, replay, recompute={recompute}", times)
+            record("megatron", f"local spec, {attention} attention, replay, recompute={recompute}", times)
+            if args.profile and attention == "sdpa" and not recompute:
+                _profile(lambda meg=meg: meg.train_step(mbs, nll_loss, replay_routes=True), "megatron")
             meg.close()
             del meg
             torch.cuda.empty_cache()
@@ -147,6 +162,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
                                                         gradient_checkpointing=ckpt))  # fmt: skip
             times = _time_steps(lambda tb=tb: tb.train_step(mbs, nll_loss, replay_routes=True), args.warmup, args.steps)
             record("torch", f"HF model, replay, recompute={ckpt}", times)
+            if args.profile and not ckpt:
+                _profile(lambda tb=tb: tb.train_step(mbs, nll_loss, replay_routes=True), "torch")
             del tb, model
             torch.cuda.empty_cache()
     result = {

@@ -82,14 +82,15 @@ def test_pipeline_split_matches_megatron_core() -> None:
             assert get_num_layers_to_build(cfg, pp_rank=r) == ours.num_layers_on(r), (n, pp, first, last, r)
 
 
-def test_logprobs_match_torch_backend_fp32() -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "unfused"])
+def test_logprobs_match_torch_backend_fp32(attention: str) -> None:
     from actors.learner.megatron.toy import build_hf, hf_routes, make_batch, toy_config, with_routes
 
     cfg = toy_config()
     hf = build_hf(cfg)
     mb = make_batch(cfg, [48, 33, 17], seed=3)
     mb_r = with_routes(mb, hf_routes(hf, mb))
-    meg, tb = _backend(hf), _torch_backend(hf)
+    meg, tb = _backend(hf, attention=attention), _torch_backend(hf)
     try:
         m_rep = meg.forward_logprobs(mb_r, replay_routes=True, with_entropy=True)
         t_rep = tb.forward_logprobs(mb_r, replay_routes=True, with_entropy=True)
@@ -100,7 +101,7 @@ def test_logprobs_match_torch_backend_fp32() -> None:
     d_rep = _valid_diff(m_rep.logprobs, t_rep.logprobs, mb.attention_mask)
     d_ent = _valid_diff(m_rep.entropy, t_rep.entropy, mb.attention_mask)
     d_free = (m_free.logprobs - t_free.logprobs).abs()[mb.attention_mask]
-    print(f"megatron vs torch fp32: replayed max|dlp|={d_rep:.3e} entropy {d_ent:.3e}; "
+    print(f"megatron ({attention}) vs torch fp32: replayed max|dlp|={d_rep:.3e} entropy {d_ent:.3e}; "
           f"free routing median {float(d_free.median()):.3e} max {float(d_free.max()):.3e}")  # fmt: skip
     assert d_rep < LP_TOL and d_ent < LP_TOL
     # Free routing: same maths, so routes agree except at exact near-ties; nearly every token matches.

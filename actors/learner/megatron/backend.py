@@ -246,7 +246,7 @@ class MegatronBackend(TrainingBackend):
     def _build_model(self):  # type: ignore[no-untyped-def]
         from megatron.core.models.gpt import GPTModel
 
-        spec = decoder_block_spec(self.tc, use_te=self.te_spec, pp_rank=self.pp_rank)
+        spec = decoder_block_spec(self.tc, use_te=self.te_spec, pp_rank=self.pp_rank, attention=self.cfg.attention)
         model = GPTModel(
             config=self.tc, transformer_layer_spec=spec, vocab_size=self.arch.vocab_size,
             max_sequence_length=self.arch.max_position_embeddings, pre_process=self.is_first,

@@ -28,6 +28,8 @@ class MegatronConfig:
     """Decoder layers on the last pipeline stage (uneven split), None for an even split."""
     spec: Literal["auto", "local", "te"] = "auto"
     """Layer implementation: Transformer Engine ("te"), megatron-core's own modules ("local"), or TE when installed."""
+    attention: Literal["sdpa", "unfused"] = "sdpa"
+    """Local spec only: PyTorch SDPA (flash / memory-efficient kernels) or megatron's unfused DotProductAttention."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Parameter / activation dtype (fp32 master weights are kept by the optimizer either way)."""
     recompute: bool = True
@@ -78,6 +80,8 @@ class MegatronConfig:
                 raise ValueError(f"{p}{name} must be >= 0 and needs {p}pipeline_parallel > 1, got {v}")
         if self.spec not in ("auto", "local", "te"):
             raise ValueError(f"{p}spec must be 'auto', 'local' or 'te', got {self.spec!r}")
+        if self.attention not in ("sdpa", "unfused"):
+            raise ValueError(f"{p}attention must be 'sdpa' or 'unfused', got {self.attention!r}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"{p}dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.router_replay and self.moe_router_fusion:
