@@ -22,10 +22,13 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_LEARNER = [
-    "model.name=tiny-moe", "task.name=copy", "batch_groups=32", "sampling.n=8", "torch.lr=2e-3",
-    "torch.device=cpu", "staleness.max_staleness=2", "checkpoint.every=10", "metrics.wandb_mode=auto",
+    "model.name=tiny-moe", "task.name=copy", "batch_groups=32", "sampling.n=8", "torch.lr=1e-3",
+    "torch.device=cpu", "checkpoint.every=10", "metrics.wandb_mode=auto",
 ]  # fmt: skip
-"""The issue-6 probe's recipe: 231k-parameter Qwen3-MoE-style model, copy a 5-digit string, 32 prompts x 8 samples."""
+"""A 250k-parameter Qwen3-MoE-style model copies a 5-digit string; 32 prompts x 8 samples per step. Adam lr 1e-3:
+in-process on-policy runs reach 0.98 in ~130 steps with it, while 2e-3 collapses to a deterministic policy near 0.7."""
+GENERATOR_ARGS = ["torch.model.name=tiny-moe", "task.name=copy", "torch.num_threads=1", "torch.max_batch_prompts=16"]
+"""Batches of half a learner step per generator keep staleness low (a 64-prompt batch spans two learner steps)."""
 
 
 @dataclass
@@ -162,8 +165,7 @@ async def _run(args: argparse.Namespace) -> int:
     learner = _spawn(learner_cmd, run_dir / "learner.log", threads=1)
     procs.append(learner)
     for i in range(args.generators):
-        gen_cmd = [*cli, "generator", *common, f"generator_id=gen-{i}", "torch.num_threads=1",
-                   "torch.model.name=tiny-moe", "task.name=copy", *args.generator]  # fmt: skip
+        gen_cmd = [*cli, "generator", *common, f"generator_id=gen-{i}", *GENERATOR_ARGS, *args.generator]
         procs.append(_spawn(gen_cmd, run_dir / f"generator-{i}.log", threads=1))
 
     def view() -> Table:

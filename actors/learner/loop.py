@@ -2,7 +2,7 @@
 one optimizer step per batch, versioned weights published back.
 
 One step:
-1. issue prompts up to the admission bound ((S+1)·B groups issued and not yet consumed);
+1. issue prompts up to the admission bound ((S+1-lag)·B groups issued and not yet consumed);
 2. read B groups from the rollout stream (duplicates of trained groups are acked and skipped,
    malformed ones go to dead letters), apply the staleness policy (drop-and-count or keep);
 3. advantages per group, samples cut into micro-batches by token budget, π_prox / reference
@@ -195,7 +195,7 @@ class Learner:
         """Issue prompts up to the admission bound; returns how many were issued."""
         assert self._prompts is not None
         cfg = self.cfg
-        room = await self._prompts.capacity(cfg.staleness.max_staleness, cfg.batch_groups)
+        room = await self._prompts.capacity(cfg.staleness.max_staleness - cfg.admission_lag_versions, cfg.batch_groups)
         if room <= 0:
             return 0
         sampling = {"n": cfg.sampling.n, "max_new_tokens": cfg.sampling.max_new_tokens or self._task.max_new_tokens,
