@@ -44,9 +44,12 @@ def _parse(argv: list[str] | None, prog: str) -> argparse.Namespace:
     ap.add_argument("--redis-url", default=None, help="Redis URL (default: an embedded server)")
     ap.add_argument("--nats-url", default=None, help="NATS URL (default: an embedded server)")
     ap.add_argument("--no-small", action="store_true", help="skip the 10x smaller model")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of raw GET / fetch+apply (best kept)")
     args = ap.parse_args(argv)
     if args.model_gb <= 0:
         ap.error("--model-gb must be > 0")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     if not 0 < args.bucket_mb <= 512:
         ap.error("--bucket-mb must be in (0, 512]")
     return args
@@ -76,10 +79,6 @@ def _moe_config(target_bytes: float):  # type: ignore[no-untyped-def]
     return cfg(layers)
 
 
-def _clone_state(model) -> dict:  # type: ignore[no-untyped-def]
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str, nats_url: str) -> dict[str, Any]:
     import numpy as np
     import redis
@@ -97,7 +96,7 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
     t_build = time.perf_counter()
     mcfg = _moe_config(target_bytes)
     engine_model = build_model(mcfg, seed=1, dtype="bfloat16")
-    source = _clone_state(build_model(mcfg, seed=2, dtype="bfloat16"))
+    source = {k: -v.detach() for k, v in engine_model.state_dict().items()}  # new tensors, values unlike the engine's
     engine = TorchEngine(
         TorchEngineConfig(model=ModelConfig(dtype="bfloat16"), max_batch_prompts=4), model=engine_model
     )
@@ -120,25 +119,78 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
             out["num_buckets"] = m0.num_buckets
             out["num_tensors"] = len(m0.tensors)
 
-            # Ceilings: plain redis-py GETs, the transport's raw-socket GETs, a memory copy of the same bytes.
-            keys = [names.weights_bucket(0, i) for i in range(m0.num_buckets)]
+            # First load (cold: the engine also builds its standby model).
+            reader = WeightReader(r, transport, names)
+            sync = WeightSync(engine, reader, names, WeightSyncConfig(poll_interval_s=3600), gen_cp)
+            t0 = time.perf_counter()
+            await sync.start()
+            out["first_load_s"] = round(time.perf_counter() - t0, 3)
+            await gen_cp.flush()
+
+            # Rounds, interleaved so that load from other processes hits every figure alike; best of each kept.
+            # Ceilings: plain redis-py GETs, the transport's raw-socket GETs (no hashing), then one idle fetch +
+            # verify + apply of a new version announced on NATS.
+            rounds: list[dict[str, float]] = []
+            version = 0
+            best: dict[str, Any] = {}
+            for _ in range(args.rounds):
+                row: dict[str, float] = {}
+                keys = [names.weights_bucket(version, i) for i in range(m0.num_buckets)]
+                if args.transport == "redis":
+                    t0 = time.perf_counter()
+                    blobs = [sync_r.get(k) for k in keys]
+                    row["raw_get_gbps"] = total / (time.perf_counter() - t0) / GB
+                    conn = RespConnection(redis_url)
+                    t0 = time.perf_counter()
+                    for k in keys:
+                        conn.get(k)
+                    row["raw_socket_get_gbps"] = total / (time.perf_counter() - t0) / GB
+                    conn.close()
+                else:
+                    t0 = time.perf_counter()
+                    blobs = [bytes(await transport.get(version, i)) for i in range(m0.num_buckets)]
+                    row["raw_get_gbps"] = total / (time.perf_counter() - t0) / GB
+                version += 1
+                for t in source.values():
+                    t.neg_()
+                t_publish = time.perf_counter()
+                await pub.publish(source, version)
+                st = pub.last_stats
+                assert st is not None
+                publish_s.append(st.total_s)
+                assert await engine.wait_applied(version, 600), sync.last_error
+                # From the commit (the version became visible; announced right after) to the engine using it.
+                fetch_apply_s = time.perf_counter() - (t_publish + st.total_s)
+                fetched = sync.last_fetch
+                assert fetched is not None and fetched.version == version
+                row["fetch_gbps"] = total / fetched.total_s / GB
+                row["fetch_apply_gbps"] = total / fetch_apply_s / GB
+                rounds.append({k: round(v, 4) for k, v in row.items()})
+                if row["fetch_apply_gbps"] >= best.get("fetch_apply_gbps", 0):
+                    best = {
+                        "fetch_apply_gbps": row["fetch_apply_gbps"],
+                        "fetch_apply_s": round(fetch_apply_s, 3),
+                        "fetch_profile_s": {
+                            "transfer_and_verify_wait": round(fetched.transfer_s, 3),
+                            "fetch_total": round(fetched.total_s, 3),
+                            "stage_copy_and_swap": round(fetch_apply_s - fetched.total_s, 3),
+                        },
+                        "publish_profile_s": {"pack_and_checksum": round(st.pack_s, 3), "put": round(st.put_s, 3)},
+                    }
+            out["raw_get_gbps"] = max(r_["raw_get_gbps"] for r_ in rounds)
             if args.transport == "redis":
-                t0 = time.perf_counter()
-                blobs = [sync_r.get(k) for k in keys]
-                out["raw_get_gbps"] = total / (time.perf_counter() - t0) / GB
-                conn = RespConnection(redis_url)
-                t0 = time.perf_counter()
-                for k in keys:
-                    conn.get(k)
-                out["raw_socket_get_gbps"] = total / (time.perf_counter() - t0) / GB
-                conn.close()
-            else:
-                t0 = time.perf_counter()
-                blobs = [bytes(await transport.get(0, i)) for i in range(m0.num_buckets)]
-                out["raw_get_gbps"] = total / (time.perf_counter() - t0) / GB
+                out["raw_socket_get_gbps"] = max(r_["raw_socket_get_gbps"] for r_ in rounds)
+            out["fetch_gbps"] = max(r_["fetch_gbps"] for r_ in rounds)
+            out.update(best)
+            out["publish_gbps"] = total / min(publish_s) / GB
+            out["publish_s"] = [round(x, 3) for x in publish_s]
+            out["rounds"] = rounds
+            out["swap_pause_ms_idle"] = engine.last_swap_pause_s * 1000
+
+            # The machine's ceiling: one memory copy of the same bytes (the first pass also maps the pages).
             dst = bytearray(total)
             view = memoryview(dst)
-            for _rep in range(2):  # the first pass also maps the destination pages; the second is the copy
+            for _rep in range(2):
                 pos, t0 = 0, time.perf_counter()
                 for b in blobs:
                     view[pos : pos + len(b)] = b
@@ -146,36 +198,6 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
                 memcpy_s = time.perf_counter() - t0
             out["memcpy_gbps"] = total / memcpy_s / GB
             del blobs, dst, view
-
-            # First load (cold: the engine builds its standby model too), then an idle fetch + apply.
-            reader = WeightReader(r, transport, names)
-            sync = WeightSync(engine, reader, names, WeightSyncConfig(poll_interval_s=3600), gen_cp)
-            t0 = time.perf_counter()
-            await sync.start()
-            out["first_load_s"] = time.perf_counter() - t0
-            await gen_cp.flush()
-            for t in source.values():
-                t.neg_()
-            await pub.publish(source, 1)
-            publish_s.append(pub.last_stats.total_s)  # type: ignore[union-attr]
-            t0 = time.perf_counter()
-            assert await engine.wait_applied(1, 600), sync.last_error
-            fetch_apply_s = time.perf_counter() - t0
-            fetched = sync.last_fetch
-            assert fetched is not None and fetched.version == 1
-            st = pub.last_stats
-            assert st is not None
-            out["publish_profile_s"] = {"pack_and_checksum": round(st.pack_s, 3), "put": round(st.put_s, 3)}
-            out["publish_gbps"] = total / min(publish_s) / GB
-            out["publish_s"] = [round(s, 3) for s in publish_s]
-            out["fetch_apply_gbps"] = total / fetch_apply_s / GB
-            out["fetch_apply_s"] = round(fetch_apply_s, 3)
-            out["fetch_profile_s"] = {
-                "transfer_and_verify_wait": round(fetched.transfer_s, 3),
-                "fetch_total": round(fetched.total_s, 3),
-                "stage_copy_and_swap": round(fetch_apply_s - fetched.total_s, 3),
-            }
-            out["swap_pause_ms_idle"] = engine.last_swap_pause_s * 1000
 
             # A swap while the engine generates: the pause is what generation loses.
             stop = asyncio.Event()
@@ -191,19 +213,22 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
             await asyncio.sleep(0.5)
             for t in source.values():
                 t.neg_()
-            await pub.publish(source, 2)
-            t0 = time.perf_counter()
-            assert await engine.wait_applied(2, 600), sync.last_error
-            out["fetch_apply_while_generating_s"] = round(time.perf_counter() - t0, 3)
+            version += 1
+            t_publish = time.perf_counter()
+            await pub.publish(source, version)
+            assert await engine.wait_applied(version, 600), sync.last_error
+            st = pub.last_stats
+            assert st is not None
+            out["fetch_apply_while_generating_s"] = round(time.perf_counter() - (t_publish + st.total_s), 3)
             stop.set()
             await gen_task
             out["swap_pause_ms"] = engine.last_swap_pause_s * 1000
-            out["swap_mid_sequence"] = any(v == [1, 2] for v in versions_seen)
+            out["swap_mid_sequence"] = any(v == [version - 1, version] for v in versions_seen)
     finally:
         if sync is not None:
             await sync.close()
         await engine.close()
-        for v in range(3):
+        for v in range(args.rounds + 2):
             await transport.delete(v, 64)
         await transport.close()
         keys = list(sync_r.scan_iter(match=names.all_key_pattern(), count=1000))
@@ -229,7 +254,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         )
     finally:
         servers.stop()
-    keys = ("model_bytes", "publish_gbps", "fetch_apply_gbps", "raw_get_gbps", "raw_socket_get_gbps", "memcpy_gbps")
+    keys = (
+        "model_bytes", "publish_gbps", "fetch_apply_gbps", "fetch_gbps", "raw_get_gbps", "raw_socket_get_gbps",
+        "memcpy_gbps",
+    )  # fmt: skip
     result: dict[str, Any] = {k: large[k] for k in keys if k in large}
     result["swap_pause_ms"] = large["swap_pause_ms"]
     result["swap_pause_ms_small"] = small["swap_pause_ms"] if small else None
