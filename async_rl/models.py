@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -40,8 +41,8 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 """Accepted ``dtype`` names."""
 
 
-def _common(**overrides: object) -> dict[str, object]:
-    base: dict[str, object] = dict(
+def _common(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = dict(
         vocab_size=toy_tok.VOCAB_SIZE,
         pad_token_id=toy_tok.PAD_ID,
         bos_token_id=toy_tok.BOS_ID,
@@ -56,7 +57,7 @@ def _common(**overrides: object) -> dict[str, object]:
     return base
 
 
-def tiny_moe_config(**overrides: object) -> Qwen3MoeConfig:
+def tiny_moe_config(**overrides: Any) -> Qwen3MoeConfig:
     """The quickstart model: Qwen3-MoE, 2 layers, hidden 64, 4 experts (top-2), char vocabulary."""
     kw = _common(
         hidden_size=64,
@@ -76,7 +77,7 @@ def tiny_moe_config(**overrides: object) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(**kw)
 
 
-def small_moe_config(**overrides: object) -> Qwen3MoeConfig:
+def small_moe_config(**overrides: Any) -> Qwen3MoeConfig:
     """A bigger toy MoE (4 layers, hidden 128, 8 experts, top-2) for benchmarks and route tests."""
     kw = _common(
         hidden_size=128,
@@ -96,7 +97,7 @@ def small_moe_config(**overrides: object) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(**kw)
 
 
-def tiny_dense_config(**overrides: object) -> Qwen3Config:
+def tiny_dense_config(**overrides: Any) -> Qwen3Config:
     """The dense twin of ``tiny-moe`` (Qwen3, 2 layers, hidden 64, MLP 256)."""
     kw = _common(
         hidden_size=64,
@@ -144,7 +145,7 @@ def is_preset(name: str) -> bool:
     return name in PRESETS
 
 
-def preset_config(name: str, **overrides: object) -> PretrainedConfig:
+def preset_config(name: str, **overrides: Any) -> PretrainedConfig:
     """The transformers config of preset ``name``."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
@@ -178,7 +179,7 @@ def load_model(
     """A preset (random init with ``seed``) or a local HF model directory, in ``dtype`` on ``device``."""
     name = str(path_or_preset)
     if is_preset(name):
-        return build_model(name, seed=seed, dtype=dtype).to(device)
+        return build_model(name, seed=seed, dtype=dtype).to(device)  # type: ignore[arg-type]
     path = Path(name)
     if not (path / "config.json").is_file():
         raise ValueError(
@@ -187,7 +188,7 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(
         str(path), local_files_only=True, dtype=_dtype(dtype), attn_implementation="sdpa"
     )
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def load_model_config(path_or_preset: str | Path) -> PretrainedConfig:

@@ -125,10 +125,9 @@ class TorchEngine(Engine):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         cfg = config.model
-        self._active = (model if model is not None else load_model(cfg.name, seed=cfg.seed, dtype=cfg.dtype)).to(
-            self.device
-        )
-        self._active.eval()
+        if model is None:
+            model = load_model(cfg.name, seed=cfg.seed, dtype=cfg.dtype)
+        self._active = model.to(self.device).eval()  # type: ignore[arg-type]
         self._slots_active = ParamSlots(self._active)
         self._slots_standby: ParamSlots | None = None
         self._standby = None

@@ -135,7 +135,7 @@ class JsonlTask(Task):
         ids = np.asarray(response_ids).tolist()
         if self._eos is not None and self._eos in ids:
             ids = ids[: ids.index(self._eos)]
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
     def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
         text = self.decode(response_ids)
