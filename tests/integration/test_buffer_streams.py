@@ -62,14 +62,14 @@ async def test_prompt_admission_issue_read_ack(redis_client, names):
 
 
 async def test_prompt_dead_generator_is_reclaimed(redis_client, names):
-    q = PromptQueue(redis_client, names, PromptQueueConfig(reclaim_idle_ms=150))
+    q = PromptQueue(redis_client, names, PromptQueueConfig(reclaim_idle_ms=1000))
     await q.issue(_specs(3), version=0)
     taken = await q.read("gen-dead", count=2)
     assert len(taken) == 2
     # gen-dead stops without acking. Before the idle bound, another generator sees only the new entry.
     other = await q.read("gen-b", count=5)
     assert [e.spec.prompt_id for e in other] == ["p2"]
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(1.2)
     back = await q.read("gen-b", count=5)
     assert sorted(e.spec.prompt_id for e in back) == ["p0", "p1"]
     assert all(e.reclaimed for e in back)
@@ -128,24 +128,24 @@ async def test_rollout_killed_learner_loses_nothing(redis_client, names):
     w = RolloutWriter(redis_client, names)
     for i in range(4):
         await w.append(_group(i))
-    first = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=100))
+    first = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000))
     held = await first.read("learner-0", count=3)
     assert len(held) == 3
     del first  # killed before acking
     # A restarted learner with the same consumer name gets its pending entries back at once.
-    same = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=100))
+    same = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000))
     again = await same.read("learner-0", count=10)
     assert sorted(e.record.group_id for e in again) == ["g0", "g1", "g2", "g3"]
     # A different consumer takes over what learner-0 leaves idle, once idle long enough.
-    other = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=100))
+    other = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000))
     assert await other.read("learner-1", count=10) == []
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(1.2)
     taken = await other.read("learner-1", count=10)
     assert sorted(e.record.group_id for e in taken) == ["g0", "g1", "g2", "g3"]
     # Acked once, trained groups are skipped by id and counted when they come around again.
     assert await other.ack(taken[:2]) == 2
-    await asyncio.sleep(0.2)
-    third = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=100))
+    await asyncio.sleep(1.2)
+    third = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000))
     dup = await third.read("learner-2", count=10, seen={"g2"})
     assert [e.record.group_id for e in dup] == ["g3"]
     stats = await buffer_stats(redis_client, names)
@@ -199,7 +199,7 @@ async def test_rollout_backpressure_blocks_and_resumes(redis_client, names):
     t0 = time.monotonic()
     await r.ack(got)
     await asyncio.wait_for(blocked, timeout=5)
-    assert time.monotonic() - t0 < 2.0  # woken by the ack, not by a timer
+    assert time.monotonic() - t0 < 4.0  # woken by the ack, not by a timer
     assert await redis_client.xlen(names.rollouts_stream) == 2
 
 
@@ -258,11 +258,12 @@ async def test_generator_killed_with_sigkill_loses_no_prompt(redis_client, names
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script)
     assert await asyncio.wait_for(proc.wait(), timeout=60) == -signal.SIGKILL
     first = await q.read("survivor", count=10)
-    assert sorted(e.spec.prompt_id for e in first) == ["p3", "p4"]
     await asyncio.sleep(0.3)
-    reclaimed = await q.read("survivor", count=10)
-    assert sorted(e.spec.prompt_id for e in reclaimed) == ["p0", "p1", "p2"]
-    await q.ack(first + reclaimed)
+    second = await q.read("survivor", count=10)
+    got = first + second
+    assert sorted(e.spec.prompt_id for e in got) == ["p0", "p1", "p2", "p3", "p4"]
+    assert sorted(e.spec.prompt_id for e in got if e.reclaimed) == ["p0", "p1", "p2"]
+    await q.ack(got)
     assert (await redis_client.xpending(names.prompts_stream, names.prompts_group))["pending"] == 0
 
 
