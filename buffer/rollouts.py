@@ -344,6 +344,13 @@ class RolloutReader:
             return 0
         stream = self.names.rollouts_stream
         keys = [self._payload_keys[i] for i in ids if i in self._payload_keys]
+        unknown = [i for i in ids if i not in self._payload_keys]
+        if unknown:  # read by another reader instance (a restart): find their record keys, if any
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in unknown:
+                    pipe.xrange(stream, i, i, count=1)
+                found: Any = await pipe.execute()
+            keys += [sid(rows[0][1][_PAYLOAD_KEY]) for rows in found if rows and _PAYLOAD_KEY in rows[0][1]]
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xack(stream, self.names.rollouts_group, *ids)
             pipe.xdel(stream, *ids)
