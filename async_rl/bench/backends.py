@@ -132,22 +132,24 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
                "mfu": (fpt * tps / peak) if peak else None,
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
         rows.append(row)
-        print(f"{backend:9s} {setting:52s} {med * 1e3:8.1f} ms/step {tps:10.0f} tok/s "
+        print(f"{backend:9s} {setting:62s} {med * 1e3:8.1f} ms/step {tps:10.0f} tok/s "
               f"MFU {row['mfu'] if row['mfu'] is None else round(100 * row['mfu'], 1)}%", flush=True)  # fmt: skip
 
     if "megatron" in backends:
         from actors.learner.megatron.backend import MegatronBackend
         from actors.learner.megatron.config import MegatronConfig
 
-        for attention, recompute in (("sdpa", False), ("unfused", False), ("sdpa", True)):
+        settings = (("sdpa", "grouped", False), ("sdpa", "sequential", False), ("unfused", "sequential", False),
+                    ("sdpa", "grouped", True))  # fmt: skip
+        for attention, experts, recompute in settings:
             torch.cuda.reset_peak_memory_stats()
-            mcfg = MegatronConfig(dtype="bfloat16", recompute=recompute, lr=1e-5, attention=attention)
+            mcfg = MegatronConfig(dtype="bfloat16", recompute=recompute, lr=1e-5, attention=attention, experts=experts)
             meg = MegatronBackend(mcfg, hf.config, sd)
             times = _time_steps(
                 lambda meg=meg: meg.train_step(mbs, nll_loss, replay_routes=True), args.warmup, args.steps
             )
-            record("megatron", f"local spec, {attention} attention, replay, recompute={recompute}", times)
-            if args.profile and attention == "sdpa" and not recompute:
+            record("megatron", f"local spec, {attention} attn, {experts} experts, replay, recompute={recompute}", times)
+            if args.profile and attention == "sdpa" and experts == "grouped" and not recompute:
                 _profile(lambda meg=meg: meg.train_step(mbs, nll_loss, replay_routes=True), "megatron")
             meg.close()
             del meg

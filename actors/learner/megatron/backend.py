@@ -28,6 +28,7 @@ multiple of ``2*CP`` (and TP under sequence parallelism).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -246,7 +247,8 @@ class MegatronBackend(TrainingBackend):
     def _build_model(self):  # type: ignore[no-untyped-def]
         from megatron.core.models.gpt import GPTModel
 
-        spec = decoder_block_spec(self.tc, use_te=self.te_spec, pp_rank=self.pp_rank, attention=self.cfg.attention)
+        spec = decoder_block_spec(self.tc, use_te=self.te_spec, pp_rank=self.pp_rank, attention=self.cfg.attention,
+                                  experts=self.cfg.experts)  # fmt: skip
         model = GPTModel(
             config=self.tc, transformer_layer_spec=spec, vocab_size=self.arch.vocab_size,
             max_sequence_length=self.arch.max_position_embeddings, pre_process=self.is_first,
@@ -289,6 +291,12 @@ class MegatronBackend(TrainingBackend):
             local["output_layer.weight"] = shard("output_layer.weight", glob["embedding.word_embeddings.weight"],
                                                  self.tp_rank, self.cfg.tensor_parallel)  # fmt: skip
         params = dict(self.gpt.named_parameters())
+        for name in params:
+            if (m := _STACKED.match(name)) is not None:  # grouped experts: stack the per-expert tensors
+                prefix, which = m.group(1), m.group(2)
+                fc = "linear_fc1" if which == "1" else "linear_fc2"
+                n = params[name].shape[0]
+                local[name] = torch.stack([local.pop(f"{prefix}local_experts.{e}.{fc}.weight") for e in range(n)])
         missing = sorted(set(params) - set(local))
         unknown = sorted(set(local) - set(params))
         if missing or unknown:
@@ -590,7 +598,7 @@ class MegatronBackend(TrainingBackend):
         from megatron.core import parallel_state as ps
 
         pieces: dict[str, torch.Tensor] = {}
-        for name, p in self.gpt.named_parameters():
+        for name, p in _expand_stacked(self.gpt.named_parameters()):
             g = global_name(name, self.naming, self.arch.moe_layers)
             if g is None:
                 continue
@@ -670,6 +678,22 @@ class MegatronBackend(TrainingBackend):
 
 _FOLLOWED = ("forward_logprobs", "train_step", "record_routes", "export_weights", "save", "load", "close")
 """Methods the main rank drives on followers (each has a ``_name`` implementation taking the payload)."""
+
+
+_STACKED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])$")
+"""Stacked expert weights of the grouped experts module (see :mod:`actors.learner.megatron.spec`)."""
+
+
+def _expand_stacked(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters with each stacked expert weight split into per-expert ``local_experts.{e}`` names."""
+    for name, p in named:
+        m = _STACKED.match(name)
+        if m is None:
+            yield name, p
+            continue
+        fc = "linear_fc1" if m.group(2) == "1" else "linear_fc2"
+        for e in range(p.shape[0]):
+            yield f"{m.group(1)}local_experts.{e}.{fc}.weight", p[e]
 
 
 class _null:

@@ -30,6 +30,8 @@ class MegatronConfig:
     """Layer implementation: Transformer Engine ("te"), megatron-core's own modules ("local"), or TE when installed."""
     attention: Literal["sdpa", "unfused"] = "sdpa"
     """Local spec only: PyTorch SDPA (flash / memory-efficient kernels) or megatron's unfused DotProductAttention."""
+    experts: Literal["grouped", "sequential"] = "grouped"
+    """Local spec only: stacked expert weights with grouped GEMMs, or megatron's SequentialMLP (one module per expert)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Parameter / activation dtype (fp32 master weights are kept by the optimizer either way)."""
     recompute: bool = True
@@ -82,6 +84,8 @@ class MegatronConfig:
             raise ValueError(f"{p}spec must be 'auto', 'local' or 'te', got {self.spec!r}")
         if self.attention not in ("sdpa", "unfused"):
             raise ValueError(f"{p}attention must be 'sdpa' or 'unfused', got {self.attention!r}")
+        if self.experts not in ("grouped", "sequential"):
+            raise ValueError(f"{p}experts must be 'grouped' or 'sequential', got {self.experts!r}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"{p}dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.router_replay and self.moe_router_fusion:

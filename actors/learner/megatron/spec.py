@@ -12,11 +12,21 @@ softmax, bmm). With ``attention="sdpa"`` the local spec uses a subclass that cal
 ``scaled_dot_product_attention`` (flash / memory-efficient kernels, causal, GQA without repeating K/V)
 for the plain causal self-attention case and falls back to the parent for anything else (masks,
 biases, packed sequences, softmax offsets, dropout, query-key layer scaling).
+
+The local spec's ``SequentialMLP`` runs each expert as its own ``MLP`` module (two GEMMs, activation,
+scaling: a dozen small kernels and Python calls per expert per layer, forward and backward), which made
+the GPU idle most of a training step. With ``experts="grouped"`` the local spec uses
+:func:`grouped_experts_class`: all local experts' weights in two stacked parameters
+(``weight1 [E_local, 2*ffn/etp, h]`` = per expert ``[gate; up]`` as in ``linear_fc1``, ``weight2
+[E_local, h, ffn/etp]`` as in ``linear_fc2``) and one grouped GEMM per projection (PyTorch
+``grouped_mm``, bf16; a per-expert loop for other dtypes). Routing weights are applied to the
+activation before ``fc2``, exactly where megatron's ``MLP`` applies them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -68,6 +78,69 @@ def sdpa_attention_class():  # type: ignore[no-untyped-def]
     return SDPADotProductAttention
 
 
+def grouped_experts_class():  # type: ignore[no-untyped-def]
+    """A megatron experts module with stacked weights and grouped GEMMs (built lazily: imports megatron)."""
+    import math
+
+    from megatron.core.transformer.module import MegatronModule
+
+    try:
+        from torch.nn.functional import grouped_mm
+    except ImportError:  # older torch
+        grouped_mm = torch._grouped_mm
+
+    class GroupedExperts(MegatronModule):
+        """Local experts of one MoE layer as two stacked weights; forward = two grouped GEMMs."""
+
+        def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,  # type: ignore[no-untyped-def]
+                     name: str | None = None) -> None:  # fmt: skip
+            super().__init__(config=config)
+            etp = pg_collection.expt_tp.size() if pg_collection is not None else 1
+            if config.moe_ffn_hidden_size % etp:
+                raise ValueError(f"moe_ffn_hidden_size {config.moe_ffn_hidden_size} does not split over ETP={etp}")
+            if not config.gated_linear_unit or config.add_bias_linear:
+                raise ValueError("GroupedExperts implements gated (SwiGLU-style) experts without biases only")
+            n, h, f = num_local_experts, config.hidden_size, config.moe_ffn_hidden_size // etp
+            self.num_local_experts = n
+            dev = torch.cuda.current_device()
+            self.weight1 = torch.nn.Parameter(torch.empty(n, 2 * f, h, dtype=config.params_dtype, device=dev))
+            self.weight2 = torch.nn.Parameter(torch.empty(n, h, f, dtype=config.params_dtype, device=dev))
+            std = getattr(config, "init_method_std", 0.02)
+            with torch.no_grad():
+                self.weight1.normal_(0.0, std)
+                self.weight2.normal_(0.0, std / math.sqrt(2.0 * config.num_layers))
+            expert_pgs = config.expert_model_parallel_size > 1 or (
+                config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+            )
+            for w, dim in ((self.weight1, 1), (self.weight2, 2)):
+                w.tensor_model_parallel = True  # a unique shard per ETP rank (never a TP duplicate)
+                w.partition_dim = dim
+                w.partition_stride = 1
+                w.allreduce = not expert_pgs  # expert-DP gradient reduction, like megatron's expert linears
+
+        def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):  # type: ignore[no-untyped-def]
+            counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int32)
+            if hidden.dtype == torch.bfloat16:
+                offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+                inter = grouped_mm(hidden, self.weight1.transpose(1, 2), offs=offs)
+            else:  # grouped_mm is bf16-only: one GEMM per expert
+                sizes = tokens_per_expert.tolist()
+                inter = torch.cat([x @ w.t() for x, w in zip(hidden.split(sizes), self.weight1, strict=True)])
+            gate, up = torch.chunk(inter, 2, dim=-1)
+            act = self.config.activation_func(gate) * up
+            act = (act * probs.unsqueeze(-1)).to(act.dtype)
+            if hidden.dtype == torch.bfloat16:
+                out = grouped_mm(act, self.weight2.transpose(1, 2), offs=offs)
+            else:
+                out = torch.cat([x @ w.t() for x, w in zip(act.split(sizes), self.weight2, strict=True)])
+            return out, None
+
+        def backward_dw(self) -> None:  # megatron calls this for delayed weight-gradient schedules
+            return None
+
+    return GroupedExperts
+
+
 def _swap(obj: object, seen: set[int], names: tuple[str, ...], new: type) -> None:
     if id(obj) in seen or not dataclasses.is_dataclass(obj) or isinstance(obj, type):
         return
@@ -76,6 +149,11 @@ def _swap(obj: object, seen: set[int], names: tuple[str, ...], new: type) -> Non
         value = getattr(obj, f.name)
         if getattr(value, "__name__", None) in names:
             setattr(obj, f.name, new)
+        elif isinstance(value, functools.partial) and getattr(value.func, "__name__", None) in names:
+            setattr(obj, f.name, functools.partial(new, *value.args, **value.keywords))
+        elif isinstance(value, functools.partial):
+            for v in (*value.args, *value.keywords.values()):
+                _swap(v, seen, names, new)
         elif isinstance(value, list | tuple):
             for v in value:
                 _swap(v, seen, names, new)
@@ -98,7 +176,7 @@ def _swap_norms(obj: object, seen: set[int]) -> None:
             _swap_norms(value, seen)
 
 
-def decoder_block_spec(tc, *, use_te: bool, pp_rank: int, attention: str = "sdpa"):  # type: ignore[no-untyped-def]
+def decoder_block_spec(tc, *, use_te: bool, pp_rank: int, attention: str = "sdpa", experts: str = "grouped"):  # type: ignore[no-untyped-def]
     """megatron-core's GPT decoder block spec for this stage; on the local spec: SP-capable norms, SDPA attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -107,4 +185,6 @@ def decoder_block_spec(tc, *, use_te: bool, pp_rank: int, attention: str = "sdpa
         _swap_norms(spec, set())
     if not use_te and attention == "sdpa":
         _swap(spec, set(), ("DotProductAttention",), sdpa_attention_class())
+    if not use_te and experts == "grouped":
+        _swap(spec, set(), ("SequentialMLP",), grouped_experts_class())
     return spec
