@@ -373,7 +373,7 @@ class MegatronBackend(TrainingBackend):
         t_real = int(mb.input_ids.shape[1])
         seq = self.tokens.padded_length(t_real)
         if rows.size:
-            idx = torch.from_numpy(rows)
+            idx = slice(int(rows[0]), int(rows[-1]) + 1)  # array_split shares are contiguous: a view, no copy
             pad = seq - t_real
 
             def cut(t: torch.Tensor | None) -> torch.Tensor | None:
