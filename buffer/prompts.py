@@ -105,9 +105,16 @@ class PromptQueue:
 
     # ---- learner side ------------------------------------------------------------------
     async def in_flight(self) -> int:
-        """Prompts issued and not yet consumed."""
-        issued, consumed = await self.redis.hmget(self.names.prompt_counters, ["issued", "consumed"])
-        return int(issued or 0) - int(consumed or 0)
+        """Prompts issued and not yet consumed.
+
+        Prompts and rollouts moved to the dead letters will never be consumed, so they leave the
+        count too; otherwise every poison entry would hold an admission slot forever.
+        """
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(self.names.prompt_counters, ["issued", "consumed", "dead_letters"])
+            pipe.hget(self.names.rollout_counters, "dead_letters")
+            (issued, consumed, dead_prompts), dead_rollouts = await pipe.execute()
+        return int(issued or 0) - int(consumed or 0) - int(dead_prompts or 0) - int(dead_rollouts or 0)
 
     async def capacity(self, max_staleness: int, batch_groups: int) -> int:
         """How many more prompts may be issued now: ``(S+1)·B`` minus those in flight (never < 0)."""

@@ -298,3 +298,18 @@ async def test_prompt_touch_keeps_a_live_generators_prompts(redis_client, names)
     assert await other.read("gen-b", count=1) == []
     await asyncio.sleep(0.7)  # now idle 1.2 s since the touch: abandoned
     assert [e.spec.prompt_id for e in await other.read("gen-b", count=1)] == ["p0"]
+
+
+async def test_dead_letters_give_their_admission_slots_back(redis_client, names):
+    """A poison prompt and a malformed rollout will never be consumed: admission must not wait for them."""
+    q = PromptQueue(redis_client, names, PromptQueueConfig(reclaim_idle_ms=1, max_deliveries=1))
+    await q.issue(_specs(2), version=0)
+    assert await q.capacity(max_staleness=0, batch_groups=2) == 0
+    first = await q.read("g1", count=1)  # p0 delivered once ...
+    await asyncio.sleep(0.01)
+    assert [e.spec.prompt_id for e in await q.read("g2", count=1)] != [first[0].spec.prompt_id]  # ... then poisoned
+    assert await q.capacity(0, 2) == 1
+    w, r = RolloutWriter(redis_client, names), RolloutReader(redis_client, names)
+    await w.append_encoded(b"\x93garbage", generator_id="gen-1", group_id="p1")  # p1's group arrives malformed
+    assert await r.read("learner", count=5) == []
+    assert await q.capacity(0, 2) == 2
