@@ -80,6 +80,10 @@ class Names:
     def weights_bucket(self, version: int, index: int) -> str:
         return self.key("weights", version, "bucket", index)
 
+    def weights_bucket_part(self, version: int, index: int, part: int) -> str:
+        """Part ``part`` >= 1 of a bucket too large for one Redis value (part 0 is :meth:`weights_bucket`)."""
+        return self.key("weights", version, "bucket", index, part)
+
     def weights_readers(self, version: int) -> str:
         """Sorted set of reader leases on a version (member = reader id, score = lease expiry in ms)."""
         return self.key("weights", version, "readers")
