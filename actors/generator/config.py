@@ -6,9 +6,10 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from actors.generator.torch_engine import TorchEngineConfig
+from actors.generator.vllm_engine import VLLMEngineConfig
 from actors.generator.weight_sync import WeightSyncConfig
 from async_rl.control import ControlPlaneConfig
 from async_rl.run_config import RunConfig
@@ -62,8 +63,8 @@ class GeneratorConfig:
     """Inference engine."""
     torch: TorchEngineConfig = field(default_factory=TorchEngineConfig)
     """Settings of the torch engine."""
-    vllm: dict[str, Any] = field(default_factory=dict)
-    """Settings of the vLLM engine (fields of VLLMEngineConfig; validated when the engine is built)."""
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    """Settings of the vLLM engine (docs/vllm.md)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """How responses are scored (must match the learner's task)."""
     sampling: GeneratorSamplingConfig = field(default_factory=GeneratorSamplingConfig)

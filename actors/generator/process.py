@@ -42,10 +42,9 @@ def build_engine(cfg: GeneratorConfig) -> Engine:
         from actors.generator.torch_engine import TorchEngine
 
         return TorchEngine(cfg.torch)
-    from actors.generator.vllm_engine import VLLMEngine, VLLMEngineConfig
-    from async_rl.configurable import from_dict
+    from actors.generator.vllm_engine import VLLMEngine
 
-    return VLLMEngine(from_dict(VLLMEngineConfig, cfg.vllm, "generator.vllm"))
+    return VLLMEngine(cfg.vllm)
 
 
 class Generator:
