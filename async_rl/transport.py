@@ -31,8 +31,13 @@ from async_rl.names import Names
 
 # Kernel socket buffers large enough to keep the loopback pipe full between recv_into calls.
 SOCKET_BUFFER_BYTES = 4 << 20
-# Redis refuses bulk strings over proto-max-bulk-len (512 MiB by default).
+# Target bucket sizes are capped at Redis's default proto-max-bulk-len (512 MiB), its largest value.
 MAX_BUCKET_BYTES = 512 << 20
+# A bucket larger than this (one huge tensor, e.g. the LM head of a big-vocabulary model) is stored by the
+# Redis transport as consecutive values of this size, read back into one buffer.
+PART_BYTES = 256 << 20
+# Parts per bucket: 16 GiB buckets at most, and a bounded list of keys to delete per bucket.
+MAX_PARTS = 64
 
 
 class TransportError(RuntimeError):
@@ -41,6 +46,10 @@ class TransportError(RuntimeError):
 
 class BucketMissing(TransportError):
     """A bucket a manifest names is not there (pruned, or never written)."""
+
+
+class BucketCorrupt(TransportError):
+    """A bucket's stored size is not the size the manifest gives."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,12 +82,15 @@ class BucketTransport(abc.ABC):
         """Store bucket ``index`` of ``version`` (overwrites)."""
 
     @abc.abstractmethod
-    async def get(self, version: int, index: int) -> memoryview:
-        """The bytes of a bucket, writable or read-only; raises :class:`BucketMissing` if absent."""
+    async def get(self, version: int, index: int, nbytes: int | None = None) -> memoryview:
+        """The bytes of a bucket (``nbytes``: its size from the manifest, when known; needed for buckets
+        larger than one Redis value), writable or read-only; :class:`BucketMissing` if absent."""
 
-    async def get_checked(self, version: int, index: int, checksum: str) -> tuple[memoryview, int]:
+    async def get_checked(
+        self, version: int, index: int, checksum: str, nbytes: int | None = None
+    ) -> tuple[memoryview, int]:
         """The bucket and its checksum under ``checksum`` (a transport that can hash while receiving does)."""
-        buf = await self.get(version, index)
+        buf = await self.get(version, index, nbytes)
         return buf, await asyncio.to_thread(CHECKSUMS[checksum], buf)
 
     @abc.abstractmethod
@@ -163,19 +175,37 @@ class RespConnection:
             raise TransportError(f"unexpected reply to SET {key}: {line!r}")
 
     def get(self, key: str, hasher: Any = None) -> bytearray | None:
-        """The value of ``key`` read straight into a new buffer, or None when absent.
+        """The value of ``key`` read straight into a new buffer, or None when absent."""
+        n = self._get_header(key)
+        if n is None:
+            return None
+        buf = bytearray(n)
+        self._read_value(memoryview(buf), hasher)
+        return buf
+
+    def get_into(self, key: str, out: memoryview, hasher: Any = None) -> bool:
+        """Read the value of ``key`` into ``out`` (exactly its size, else :class:`BucketCorrupt`); False if absent.
 
         With ``hasher`` (``update(bytes)``), every chunk is hashed as it arrives, while it is still in cache.
         """
+        n = self._get_header(key)
+        if n is None:
+            return False
+        if n != out.nbytes:
+            raise BucketCorrupt(f"{key} holds {n} bytes, expected {out.nbytes}")  # the connection is dropped
+        self._read_value(out, hasher)
+        return True
+
+    def _get_header(self, key: str) -> int | None:
         self.sock.sendall(_command(b"GET", key.encode()))
         line = self._reply_line()
         if not line.startswith(b"$"):
             raise TransportError(f"unexpected reply to GET {key}: {line[:40]!r}")
         n = int(line[1:])
-        if n < 0:
-            return None
-        buf = bytearray(n)
-        view = memoryview(buf)
+        return None if n < 0 else n
+
+    def _read_value(self, view: memoryview, hasher: Any) -> None:
+        n = view.nbytes
         got = min(len(self._pending), n)
         view[:got] = self._pending[:got]
         del self._pending[:got]
@@ -194,7 +224,6 @@ class RespConnection:
                 raise TransportError("Redis closed the connection mid-value")
             self._pending += chunk
         del self._pending[:2]
-        return buf
 
     def delete(self, keys: list[str]) -> int:
         if not keys:
@@ -210,12 +239,18 @@ class RedisTransport(BucketTransport):
     url: str
     names: Names
     timeout_s: float
+    part_bytes: int
     _pool: queue.LifoQueue[RespConnection | None]
 
-    def __init__(self, url: str, names: Names, *, connections: int = 2, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, url: str, names: Names, *, connections: int = 2, timeout_s: float = 60.0, part_bytes: int = PART_BYTES
+    ) -> None:
+        if not 0 < part_bytes <= MAX_BUCKET_BYTES:
+            raise ValueError(f"transport part_bytes must be in (0, {MAX_BUCKET_BYTES}]")
         self.url = url
         self.names = names
         self.timeout_s = timeout_s
+        self.part_bytes = part_bytes
         self._pool = queue.LifoQueue()
         for _ in range(connections):
             self._pool.put(None)  # connected lazily, in the worker thread
@@ -237,29 +272,67 @@ class RedisTransport(BucketTransport):
                 conn.close()
             self._pool.put(conn if ok else None)
 
+    def _part_keys(self, version: int, index: int, nbytes: int) -> list[tuple[str, int, int]]:
+        """(key, start, end) of each Redis value holding the bucket."""
+        size = self.part_bytes
+        num_parts = max(1, -(-nbytes // size))
+        if num_parts > MAX_PARTS:
+            raise ValueError(f"bucket of {nbytes} bytes exceeds the Redis transport's {MAX_PARTS * size} bytes")
+        out = []
+        for p in range(num_parts):
+            key = (
+                self.names.weights_bucket(version, index)
+                if p == 0
+                else self.names.weights_bucket_part(version, index, p)
+            )
+            out.append((key, p * size, min((p + 1) * size, nbytes)))
+        return out
+
     async def put(self, version: int, index: int, data: memoryview) -> None:
-        if data.nbytes > MAX_BUCKET_BYTES:
-            raise ValueError(f"bucket of {data.nbytes} bytes exceeds Redis's 512 MiB value limit")
-        key = self.names.weights_bucket(version, index)
-        await asyncio.to_thread(self._run, lambda c: c.set(key, data))
+        parts = self._part_keys(version, index, data.nbytes)
 
-    async def get(self, version: int, index: int) -> memoryview:
-        key = self.names.weights_bucket(version, index)
-        buf = await asyncio.to_thread(self._run, lambda c: c.get(key))
-        if buf is None:
-            raise BucketMissing(f"bucket {index} of weights version {version} is missing ({key})")
-        return memoryview(buf)
+        def put_all(conn: RespConnection) -> None:
+            for key, start, end in parts:
+                conn.set(key, data[start:end])
 
-    async def get_checked(self, version: int, index: int, checksum: str) -> tuple[memoryview, int]:
-        key = self.names.weights_bucket(version, index)
+        await asyncio.to_thread(self._run, put_all)
+
+    async def get(self, version: int, index: int, nbytes: int | None = None) -> memoryview:
+        return (await self._get(version, index, nbytes, None))[0]
+
+    async def get_checked(
+        self, version: int, index: int, checksum: str, nbytes: int | None = None
+    ) -> tuple[memoryview, int]:
         hasher = checksum_stream(checksum)
-        buf = await asyncio.to_thread(self._run, lambda c: c.get(key, hasher))
-        if buf is None:
-            raise BucketMissing(f"bucket {index} of weights version {version} is missing ({key})")
-        return memoryview(buf), hasher.intdigest()
+        buf, _ = await self._get(version, index, nbytes, hasher)
+        return buf, hasher.intdigest()
+
+    async def _get(self, version: int, index: int, nbytes: int | None, hasher: Any) -> tuple[memoryview, Any]:
+        key = self.names.weights_bucket(version, index)
+        if nbytes is None:  # size unknown: a one-value bucket
+            buf = await asyncio.to_thread(self._run, lambda c: c.get(key, hasher))
+            if buf is None:
+                raise BucketMissing(f"bucket {index} of weights version {version} is missing ({key})")
+            return memoryview(buf), hasher
+        out = memoryview(bytearray(nbytes))
+        parts = self._part_keys(version, index, nbytes)
+
+        def get_all(conn: RespConnection) -> str | None:
+            for part_key, start, end in parts:
+                if not conn.get_into(part_key, out[start:end], hasher):
+                    return part_key
+            return None
+
+        missing = await asyncio.to_thread(self._run, get_all)
+        if missing is not None:
+            raise BucketMissing(f"bucket {index} of weights version {version} is missing ({missing})")
+        return out, hasher
 
     async def delete(self, version: int, num_buckets: int) -> None:
-        keys = [self.names.weights_bucket(version, i) for i in range(num_buckets)]
+        keys = []
+        for i in range(num_buckets):
+            keys.append(self.names.weights_bucket(version, i))
+            keys += [self.names.weights_bucket_part(version, i, p) for p in range(1, MAX_PARTS)]
         await asyncio.to_thread(self._run, lambda c: c.delete(keys))
 
     async def close(self) -> None:
@@ -296,7 +369,7 @@ class SharedMemoryTransport(BucketTransport):
 
         await asyncio.to_thread(write)
 
-    async def get(self, version: int, index: int) -> memoryview:
+    async def get(self, version: int, index: int, nbytes: int | None = None) -> memoryview:
         path = self._path(version, index)
 
         def open_map() -> memoryview:

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 import torch
 
 from async_rl.names import Names
-from async_rl.transport import BucketMissing, BucketTransport
+from async_rl.transport import BucketCorrupt, BucketMissing, BucketTransport
 from async_rl.weights.manifest import Manifest, ManifestError, view_tensor
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,8 @@ class WeightReader:
         def request(i: int) -> None:
             if i < n:
                 pending[i] = asyncio.create_task(
-                    self.transport.get_checked(version, i, manifest.checksum), name=f"weights-get-v{version}-b{i}"
+                    self.transport.get_checked(version, i, manifest.checksum, manifest.buckets[i].nbytes),
+                    name=f"weights-get-v{version}-b{i}",
                 )
 
         for i in range(min(n, 1 + self.cfg.prefetch_buckets)):
@@ -171,6 +172,8 @@ class WeightReader:
                 buf, got = await pending.pop(i)
             except BucketMissing as exc:
                 raise VersionUnavailable(f"weights version {version}: {exc}") from exc
+            except BucketCorrupt as exc:
+                raise CorruptVersion(f"weights version {version} bucket {i}: {exc}") from exc
             request(i + 1 + self.cfg.prefetch_buckets)
             transfer_s += time.perf_counter() - t1
             if buf.nbytes != entry.nbytes:

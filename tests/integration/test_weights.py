@@ -102,7 +102,7 @@ async def test_corrupt_bucket_is_refused(redis_client: aioredis.Redis, names: Na
     with pytest.raises(CorruptVersion, match=r"bucket \d+: xxh3_64"):
         await reader.fetch(1)
     await redis_client.set(key, bytes(raw[:-8]))  # truncated
-    with pytest.raises(CorruptVersion, match="bytes, manifest says"):
+    with pytest.raises(CorruptVersion, match=r"holds \d+ bytes, expected \d+"):
         await reader.fetch(1)
     await redis_client.set(names.weights_manifest(1), b"\x93garbage")
     with pytest.raises(CorruptVersion, match="malformed"):
@@ -255,3 +255,31 @@ async def test_transport_errors_are_named(servers: ServerSet, names: Names) -> N
     for _ in range(2):  # the failed connection gives its pool slot back
         with pytest.raises(ValueError, match="only redis:// URLs"):
             await asyncio.wait_for(t.get(0, 0), 5)
+
+
+async def test_a_bucket_larger_than_one_redis_value_travels_in_parts(
+    redis_client: aioredis.Redis, names: Names, servers: ServerSet
+) -> None:
+    transport = RedisTransport(servers.redis_url, names, part_bytes=10_000)
+    pub = WeightPublisher(redis_client, transport, names, PublisherConfig(bucket_bytes=16 << 10, keep_versions=1))
+    model = _model(0)  # "big.bf16" (64 KiB) gets a bucket of its own: 7 parts of at most 10 kB
+    m = await pub.publish(model, 0)
+    big = next(t for t in m.tensors if t.name == "big.bf16")
+    assert await redis_client.exists(*(names.weights_bucket_part(0, big.bucket, p) for p in range(1, 7))) == 6
+    reader = WeightReader(redis_client, transport, names)
+    assert _same((await reader.fetch(0)).tensors, model)
+    # A missing part makes the version unavailable; a part of the wrong size makes it corrupt.
+    part = names.weights_bucket_part(0, big.bucket, 3)
+    raw = await redis_client.get(part)
+    await redis_client.delete(part)
+    with pytest.raises(VersionUnavailable, match="missing"):
+        await reader.fetch(0)
+    await redis_client.set(part, raw[:-1])
+    with pytest.raises(CorruptVersion, match="holds 9999 bytes, expected 10000"):
+        await reader.fetch(0)
+    await redis_client.set(part, raw)
+    assert _same((await reader.fetch(0)).tensors, model)
+    await pub.publish({"w": torch.ones(4)}, 1)  # prunes version 0, parts included
+    assert await redis_client.exists(names.weights_bucket(0, big.bucket), part) == 0
+    with pytest.raises(ValueError, match="exceeds the Redis transport"):
+        await transport.put(2, 0, memoryview(bytes(10_000 * 64 + 1)))
