@@ -1,0 +1,605 @@
+"""The vLLM inference engine: vLLM's ``AsyncLLM`` behind the :class:`~actors.generator.engine.Engine` interface.
+
+* **Sampling.** Each of the ``n`` samples of a prompt is one vLLM request (``n=1``), so every
+  sample has its own id (routes are fetched by it) and, when ``SamplingParams.seed`` is set,
+  its own seed (``seed + j`` for the j-th sample of the call, prompt-major). vLLM runs with
+  ``logprobs_mode="processed_logprobs"``: the logprob of each sampled token is taken from the
+  distribution it was sampled from (temperature, top-k, top-p applied and renormalised); greedy
+  (temperature 0) reports the plain model logprob of the argmax token, like the torch engine.
+* **Versions.** vLLM labels every engine step with a weight version (``update_weight_version``)
+  and returns contiguous spans per request; they become the per-token ``versions`` array. The
+  label is changed only while generation is paused, so each token's version is the version of
+  the weights that produced it, also for a sequence that spans a swap.
+* **Weights.** :meth:`VLLMEngine.stage_weights` (any thread) checks names and shapes against the
+  model's checkpoint and hands the version to a background task: it writes the tensors as one
+  safetensors file in shared memory and has the worker read it while generation goes on
+  (``arl_stage_weights``; vLLM's RPC cannot carry tensors), then pauses generation
+  (``pause_generation(mode="keep")``: requests stay in place with their KV cache), loads them in
+  place (``arl_apply_staged``, vLLM's layerwise reload), relabels the version and resumes.
+  ``last_swap_pause_s`` is the time generation stood still. New requests carry the version in
+  their prefix-cache salt, so no prompt reuses KV computed by older weights.
+* **Routes** (MoE). Where vLLM's own routed-experts output works (CUDA, Model Runner V2) it is
+  used (``routes="native"``); on CPU the worker extension of :mod:`actors.generator.vllm_worker`
+  captures them in eager mode (``routes="hooks"``, prefix caching off). Either way a sample's
+  routes are ``[T_run, moe_layers, top_k]`` (uint8, int16 past 256 experts) for the prompt and
+  response tokens the model ran, typically ``len(prompt) + len(response) - 1``.
+
+The engine is built synchronously (``VLLMEngine(config)`` starts vLLM's processes: about 30 s on
+a CPU); everything after that runs on the event loop of the first async call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from actors.generator.engine import Completion, Engine, SamplingParams
+from async_rl.models import ModelConfig, is_preset, load_model_config, save_pretrained_dir
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "actors.generator.vllm_worker.ArlWorkerExtension"
+"""Qualified name of the worker extension vLLM mixes into its worker."""
+DEFAULT_CPU_KV_CACHE_MIB = 1024
+"""KV cache on CPU when none is configured: vLLM's own CPU sizing reserves 92% of the node's memory."""
+
+
+@dataclass(kw_only=True, slots=True)
+class VLLMEngineConfig:
+    """The vLLM engine: which model, how big a batch, how routes are captured."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model preset (written to a directory for vLLM) or local HF directory, init seed and dtype."""
+    max_batch_prompts: int = 64
+    """Prompts the generator should hand over in one generate call (its in-flight bound)."""
+    max_num_seqs: int = 256
+    """Sequences vLLM schedules together."""
+    max_model_len: int = 0
+    """Longest prompt + response (0: the model's max_position_embeddings)."""
+    kv_cache_mib: int = 0
+    """KV cache size in MiB (0: GPU: from gpu_memory_utilization; CPU: 1024)."""
+    gpu_memory_utilization: float = 0.85
+    """Share of GPU memory vLLM may use (weights, activations, KV cache)."""
+    enforce_eager: bool | None = None
+    """Run without CUDA graphs / torch.compile (None: eager on CPU, graphs on GPU). Route hooks need eager."""
+    routes: Literal["auto", "native", "hooks", "off"] = "auto"
+    """MoE route capture: vLLM's own output (native, CUDA), worker hooks (hooks, eager), none (off); auto picks."""
+    enable_prefix_caching: bool | None = None
+    """Prefix caching (None: on unless routes are captured by hooks, which cannot see cached positions)."""
+    stop_on_eos: bool = True
+    """Also stop on the model's eos token(s) (vLLM's default)."""
+    seed: int = 0
+    """vLLM's global seed (samples without SamplingParams.seed use vLLM's own stream)."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel GPUs per engine."""
+    work_dir: str = ""
+    """Where a preset is written as a HF directory ('' = a temporary directory removed on close)."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Further vLLM ``AsyncEngineArgs`` fields, passed through (names are checked)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_prompts < 1:
+            raise ValueError("engine.max_batch_prompts must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("engine.max_num_seqs must be >= 1")
+        if self.max_model_len < 0:
+            raise ValueError("engine.max_model_len must be >= 0")
+        if self.kv_cache_mib < 0:
+            raise ValueError("engine.kv_cache_mib must be >= 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("engine.gpu_memory_utilization must be in (0, 1]")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("engine.tensor_parallel_size must be >= 1")
+        if self.routes not in ("auto", "native", "hooks", "off"):
+            raise ValueError(f"engine.routes must be auto, native, hooks or off, got {self.routes!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelFacts:
+    """What the engine needs to know about the model, read from its directory."""
+
+    directory: Path
+    shapes: dict[str, tuple[int, ...]]
+    """Checkpoint tensor name -> shape (the names stage_weights accepts)."""
+    vocab_size: int
+    max_positions: int
+    moe_layer_ids: tuple[int, ...]
+    """Indices (among all decoder layers) of the MoE layers."""
+    num_experts: int
+    top_k: int
+    head_dim: int
+
+
+def _moe_layer_ids(config: Any) -> tuple[int, ...]:
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    if not num_experts:
+        return ()
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+    return tuple(
+        i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0 and i >= first_dense
+    )
+
+
+def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {directory} holds no *.safetensors file")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[name] = tuple(fh.get_slice(name).get_shape())
+    return shapes
+
+
+def _model_facts(directory: Path) -> _ModelFacts:
+    cfg = load_model_config(directory)
+    text = getattr(cfg, "text_config", None) or cfg
+    moe = _moe_layer_ids(text)
+    num_experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    return _ModelFacts(
+        directory=directory,
+        shapes=_checkpoint_shapes(directory),
+        vocab_size=int(text.vocab_size),
+        max_positions=int(getattr(text, "max_position_embeddings", 0) or 0),
+        moe_layer_ids=moe,
+        num_experts=num_experts if moe else 0,
+        top_k=int(getattr(text, "num_experts_per_tok", 0) or 0) if moe else 0,
+        head_dim=head_dim,
+    )
+
+
+def _write_shm(tensors: Mapping[str, torch.Tensor]) -> Path:
+    """Write a weight version as one safetensors file in shared memory (/dev/shm when there is one)."""
+    from safetensors.torch import save_file
+
+    shm = Path("/dev/shm")
+    fd, name = tempfile.mkstemp(prefix="arl-weights-", suffix=".safetensors", dir=shm if shm.is_dir() else None)
+    os.close(fd)
+    path = Path(name)
+    try:
+        save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(path))
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _version_array(spans: Any, num_tokens: int, fallback: int) -> np.ndarray:
+    """Per-token versions from vLLM's ``WeightVersionSpan`` list (labels are our integer versions)."""
+    out = np.full(num_tokens, fallback, dtype=np.int32)
+    for span in spans or ():
+        try:
+            v = int(span.version)
+        except ValueError:
+            v = fallback
+        out[span.start : span.end] = v
+    return out
+
+
+class VLLMEngine(Engine):
+    """vLLM's AsyncLLM with logprobs, per-token versions, routes and in-place weight swaps (see the module docstring)."""
+
+    name = "vllm"
+    config: VLLMEngineConfig
+    facts: _ModelFacts
+    route_mode: str
+    """'native', 'hooks' or 'off' (resolved from config.routes)."""
+    prefix_caching: bool
+    max_model_len: int
+    last_swap_pause_s: float
+    """Time generation stood still for the last swap (pause, in-place load, relabel, resume)."""
+    last_stage_s: float
+    """Time the last version took to reach the worker (generation kept going)."""
+    last_stage_error: str | None
+    """Why the last staged version could not be applied (None when it was)."""
+    _llm: Any
+    _tmp_dir: Path | None
+    _version: int
+    _pending: tuple[Mapping[str, torch.Tensor], int] | None
+    _lock: threading.Lock
+    _loop: asyncio.AbstractEventLoop | None
+    _ready: asyncio.Task | None
+    _swapper: asyncio.Task | None
+    _wake: asyncio.Event | None
+    _applied: asyncio.Event | None
+    _cleanup: set[asyncio.Task]
+    _ids: itertools.count
+    _uid: str
+    _closed: bool
+
+    def __init__(self, config: VLLMEngineConfig) -> None:
+        self.config = config
+        self._tmp_dir = None
+        self._llm = None
+        self._version = -1
+        self._pending = None
+        self._lock = threading.Lock()
+        self._loop = None
+        self._ready = None
+        self._swapper = None
+        self._wake = None
+        self._applied = None
+        self._cleanup = set()
+        self._ids = itertools.count()
+        self._uid = uuid.uuid4().hex[:6]
+        self._closed = False
+        self.last_swap_pause_s = 0.0
+        self.last_stage_s = 0.0
+        self.last_stage_error = None
+        try:
+            self.facts = _model_facts(self._model_dir(config))
+            self._start()
+        except BaseException:
+            self._remove_tmp()
+            raise
+
+    # ---------------------------------------------------------------- start-up
+
+    def _model_dir(self, config: VLLMEngineConfig) -> Path:
+        m = config.model
+        if not is_preset(m.name):
+            return Path(m.name)
+        if config.work_dir:
+            target = Path(config.work_dir) / f"{m.name}-seed{m.seed}-{m.dtype}"
+        else:
+            self._tmp_dir = Path(tempfile.mkdtemp(prefix="arl-vllm-"))
+            target = self._tmp_dir / m.name
+        if not (target / "config.json").is_file():
+            save_pretrained_dir(target, preset=m.name, seed=m.seed, dtype=m.dtype)
+        return target
+
+    def _start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg, facts = self.config, self.facts
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            sizes = CPUAttentionBackend.get_supported_head_sizes()
+            if facts.head_dim not in sizes:
+                raise ValueError(
+                    f"engine.model {cfg.model.name!r} has head_dim {facts.head_dim}; vLLM's CPU attention supports {sizes}"
+                )
+        eager = on_cpu if cfg.enforce_eager is None else cfg.enforce_eager
+        mode = cfg.routes
+        if not facts.moe_layer_ids:
+            mode = "off"
+        elif mode == "auto":
+            mode = "native" if current_platform.is_cuda_alike() else "hooks"
+        if mode == "native" and on_cpu:
+            raise ValueError("engine.routes 'native' needs vLLM's Model Runner V2 (CUDA); use 'hooks' on CPU")
+        if mode == "hooks" and not eager:
+            raise ValueError("engine.routes 'hooks' needs engine.enforce_eager (compiled graphs skip Python hooks)")
+        self.route_mode = mode
+        self.prefix_caching = (mode != "hooks") if cfg.enable_prefix_caching is None else cfg.enable_prefix_caching
+        if mode == "hooks" and self.prefix_caching:
+            raise ValueError("engine.enable_prefix_caching must be off with routes 'hooks' (cached tokens are not run)")
+        self.max_model_len = cfg.max_model_len or facts.max_positions or 4096
+        kv_mib = cfg.kv_cache_mib or (DEFAULT_CPU_KV_CACHE_MIB if on_cpu else 0)
+        kwargs: dict[str, Any] = dict(
+            model=str(facts.directory),
+            tokenizer=str(facts.directory),
+            dtype=cfg.model.dtype,
+            seed=cfg.seed,
+            enforce_eager=eager,
+            max_model_len=self.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enable_prefix_caching=self.prefix_caching,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+        )
+        if kv_mib:
+            kwargs["kv_cache_memory_bytes"] = kv_mib << 20
+        if mode == "native":
+            kwargs["enable_return_routed_experts"] = True
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        unknown = sorted(set(cfg.engine_args) - known)
+        if unknown:
+            raise ValueError(f"engine.engine_args has fields vLLM's AsyncEngineArgs does not know: {unknown}")
+        kwargs.update(cfg.engine_args)
+        t0 = time.perf_counter()
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        log.info("vLLM engine up in %.1f s (model %s, routes %s)", time.perf_counter() - t0, facts.directory, mode)
+
+    async def _ensure_ready(self) -> None:
+        """Bind to the running loop on first use; set up the worker extension and the swap task once."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self._wake = asyncio.Event()
+            self._applied = asyncio.Event()
+            self._ready = loop.create_task(self._setup(), name="vllm-engine-setup")
+        elif self._loop is not loop:
+            raise RuntimeError("VLLMEngine is bound to the event loop of its first call; use it from that loop only")
+        assert self._ready is not None
+        await asyncio.shield(self._ready)
+
+    async def _setup(self) -> None:
+        facts = self.facts
+        await self._llm.update_weight_version(str(self._version))
+        infos = await self._llm.collective_rpc("arl_setup", args=(self.route_mode == "hooks", facts.num_experts))
+        if self.route_mode == "hooks":
+            info = infos[0]
+            if info["num_layers"] != len(facts.moe_layer_ids):
+                raise RuntimeError(
+                    f"vLLM model has {info['num_layers']} fused-MoE layers, config says {len(facts.moe_layer_ids)}"
+                )
+        assert self._loop is not None and self._wake is not None
+        self._swapper = self._loop.create_task(self._swap_loop(), name="vllm-weight-swap")
+        with self._lock:
+            if self._pending is not None:
+                self._wake.set()
+
+    # ---------------------------------------------------------------- Engine interface
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_batch_prompts(self) -> int:
+        return self.config.max_batch_prompts
+
+    @property
+    def model_dir(self) -> Path:
+        """The HF directory vLLM loaded (a preset is written out first)."""
+        return self.facts.directory
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.facts.moe_layer_ids)
+
+    async def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[list[Completion]]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        rows = self._check_prompts(prompts)
+        await self._ensure_ready()
+        call = next(self._ids)
+        ids = [f"arl{self._uid}c{call}p{p}s{i}" for p in range(len(rows)) for i in range(params.n)]
+        requests = []
+        for j, rid in enumerate(ids):
+            prompt = rows[j // params.n]
+            seed = None if params.seed is None else params.seed + j
+            requests.append(self._one(rid, prompt, self._vllm_params(params, prompt.size, seed)))
+        try:
+            flat = list(await asyncio.gather(*requests))
+            routes = await self._take_routes(ids) if self.route_mode == "hooks" else {}
+        except BaseException:
+            if self.route_mode == "hooks":
+                # Forget the routes of requests that were cut short (cancellation: in a tracked background task).
+                task = asyncio.get_running_loop().create_task(self._take_routes(ids), name="vllm-route-cleanup")
+                self._cleanup.add(task)
+                task.add_done_callback(self._cleanup.discard)
+            raise
+        out: list[Completion] = []
+        for j, (rid, comp) in enumerate(zip(ids, flat, strict=True)):
+            if self.route_mode == "hooks":
+                comp.routes = self._trim_routes(routes.get(rid), rows[j // params.n].size, comp.token_ids.size)
+            out.append(comp)
+        return [out[p * params.n : (p + 1) * params.n] for p in range(len(rows))]
+
+    def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Check names/shapes now (ValueError); ship, pause, load in place and resume in the background.
+
+        The engine keeps references to ``tensors`` until they reached the worker: do not modify them.
+        """
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if version <= self._version:
+            raise ValueError(f"staged version {version} is not newer than the version in use ({self._version})")
+        self._check_tensors(tensors)
+        with self._lock:
+            self._pending = (tensors, version)
+            loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing will apply it anyway
+                loop.call_soon_threadsafe(wake.set)
+
+    async def wait_applied(self, version: int, timeout_s: float | None = None) -> bool:
+        await self._ensure_ready()
+
+        async def reached() -> None:
+            while self._version < version:
+                assert self._applied is not None
+                await self._applied.wait()
+
+        try:
+            await asyncio.wait_for(reached(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        tasks = [t for t in (self._swapper, self._ready, *self._cleanup) if t is not None and not t.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+        self._remove_tmp()
+
+    # ---------------------------------------------------------------- generation
+
+    def _check_prompts(self, prompts: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        rows = []
+        for i, p in enumerate(prompts):
+            arr = np.asarray(p)
+            if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"prompts[{i}] must be a non-empty 1-D integer array, got {arr.dtype} {arr.shape}")
+            if int(arr.min()) < 0 or int(arr.max()) >= self.facts.vocab_size:
+                raise ValueError(f"prompts[{i}] has token ids outside [0, {self.facts.vocab_size})")
+            if arr.size >= self.max_model_len:
+                raise ValueError(f"prompts[{i}] has {arr.size} tokens, the engine holds {self.max_model_len}")
+            rows.append(arr.astype(np.int64))
+        return rows
+
+    def _vllm_params(self, params: SamplingParams, prompt_len: int, seed: int | None) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            n=1,
+            max_tokens=min(params.max_new_tokens, self.max_model_len - prompt_len),
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=seed,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=not self.config.stop_on_eos,
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def _one(self, rid: str, prompt: np.ndarray, sp: Any) -> Completion:
+        from vllm.inputs import TokensPrompt
+
+        request = TokensPrompt(prompt_token_ids=prompt.tolist())
+        if self.prefix_caching:
+            request["cache_salt"] = f"arl-w{self._version}"
+        final = None
+        async for out in self._llm.generate(request, sp, rid):
+            final = out
+        assert final is not None and final.outputs, f"vLLM returned nothing for request {rid}"
+        c = final.outputs[0]
+        tokens = np.asarray(c.token_ids, dtype=np.int32)
+        logprobs = self._sampled_logprobs(c.logprobs, tokens, rid)
+        routes = None
+        if self.route_mode == "native" and c.routed_experts is not None:
+            native = np.asarray(c.routed_experts)[:, list(self.facts.moe_layer_ids)]
+            routes = native.astype(np.uint8 if self.facts.num_experts <= 256 else np.int16)
+        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+        return Completion(
+            token_ids=tokens,
+            logprobs=logprobs,
+            versions=_version_array(c.weight_versions, tokens.size, self._version),
+            finish_reason=reason,
+            routes=routes,
+        )
+
+    @staticmethod
+    def _sampled_logprobs(flat: Any, tokens: np.ndarray, rid: str) -> np.ndarray:
+        """The sampled token's logprob at each position (``logprobs=0``: one entry per position)."""
+        if tokens.size == 0:
+            return np.zeros(0, dtype=np.float32)
+        if flat is None or len(flat.start_indices) != tokens.size:
+            raise RuntimeError(f"vLLM returned no per-token logprobs for request {rid}")
+        starts = np.asarray(flat.start_indices)
+        got = np.asarray(flat.token_ids)[starts]
+        if not np.array_equal(got, tokens):
+            raise RuntimeError(f"vLLM logprobs of request {rid} are not those of its sampled tokens")
+        return np.asarray(flat.logprobs, dtype=np.float32)[starts]
+
+    async def _take_routes(self, ids: list[str]) -> dict[str, np.ndarray]:
+        got = await self._llm.collective_rpc("arl_take_routes", args=(ids,))
+        return {
+            rid: np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape) for rid, (raw, shape, dtype) in got[0].items()
+        }
+
+    def _trim_routes(self, routes: np.ndarray | None, prompt_len: int, num_tokens: int) -> np.ndarray:
+        """At most ``prompt + response - 1`` positions (the last sampled token is never run)."""
+        shape = (0, len(self.facts.moe_layer_ids), self.facts.top_k)
+        if routes is None:
+            return np.zeros(shape, dtype=np.uint8 if self.facts.num_experts <= 256 else np.int16)
+        return routes[: max(prompt_len + num_tokens - 1, 0)]
+
+    # ---------------------------------------------------------------- weights
+
+    def _check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        shapes = self.facts.shapes
+        unknown = sorted(set(tensors) - set(shapes))
+        if unknown:
+            raise ValueError(f"staged weights name tensors the model does not have: {unknown[:5]}")
+        missing = sorted(set(shapes) - set(tensors))
+        if missing:
+            raise ValueError(f"staged weights miss {len(missing)} tensors of the model, e.g. {missing[:5]}")
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"staged weight {name} is a {type(t).__name__}, not a torch.Tensor")
+            if tuple(t.shape) != shapes[name]:
+                raise ValueError(f"staged weight {name} has shape {tuple(t.shape)}, the model needs {shapes[name]}")
+
+    async def _swap_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                item, self._pending = self._pending, None
+            if item is None or item[1] <= self._version:
+                continue
+            tensors, version = item
+            try:
+                await self._apply(tensors, version)
+                self.last_stage_error = None
+            except Exception as exc:  # a bad version must not kill the swap task; the engine reports it
+                self.last_stage_error = f"version {version}: {exc!r}"
+                log.exception("could not apply weight version %d; version %d stays in use", version, self._version)
+
+    async def _apply(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        llm = self._llm
+        t0 = time.perf_counter()
+        path = await asyncio.to_thread(_write_shm, tensors)
+        try:
+            await llm.collective_rpc("arl_stage_weights", args=(str(path), version))
+        finally:
+            path.unlink(missing_ok=True)
+        t1 = time.perf_counter()
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await llm.collective_rpc("arl_apply_staged", args=(version,))
+            await llm.update_weight_version(str(version))
+        finally:
+            await llm.resume_generation()
+        t2 = time.perf_counter()
+        self.last_stage_s, self.last_swap_pause_s = t1 - t0, t2 - t1
+        self._version = version
+        if self.prefix_caching:
+            await llm.reset_prefix_cache()  # frees blocks of older versions (new requests are salted anyway)
+        assert self._applied is not None
+        applied, self._applied = self._applied, asyncio.Event()
+        applied.set()
+        log.info("vLLM engine: version %d in use (staged in %.3f s, paused %.3f s)", version, t1 - t0, t2 - t1)
+
+    def _remove_tmp(self) -> None:
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir = None
