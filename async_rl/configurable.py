@@ -44,7 +44,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if value not in args:
             raise ConfigError(f"{path} must be one of {list(args)}, got {value!r}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):

@@ -71,7 +71,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         if isinstance(gate, nn.Module) and _is_router(gate):
             layers.append(
                 MoELayer(index=len(layers), name=name, block=module, router=gate,
-                         num_experts=int(gate.num_experts), top_k=int(gate.top_k))
+                         num_experts=int(gate.num_experts), top_k=int(gate.top_k))  # type: ignore[arg-type]
             )  # fmt: skip
     return layers
 

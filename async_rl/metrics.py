@@ -76,7 +76,8 @@ class MetricsLogger:
 
                 self._run = wandb.init(
                     project=cfg.wandb_project, entity=cfg.wandb_entity, name=cfg.run_name or name, dir=str(run_dir),
-                    mode=mode, config=config, settings=wandb.Settings(console="off", silent=True),
+                    mode=mode, config=config,  # type: ignore[arg-type]
+                    settings=wandb.Settings(console="off", silent=True),
                 )  # fmt: skip
                 log.info("wandb run %s (%s mode)", cfg.run_name or name, mode)
             except Exception as exc:  # a metrics sink must never take training down

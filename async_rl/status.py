@@ -43,8 +43,9 @@ async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) 
     try:
         await asyncio.sleep(listen_s)
         stats = await buffer_stats(client, names)
-        learner = {k.decode(): v.decode() for k, v in (await client.hgetall(names.learner_state)).items()}
-        versions = [int(v) for v in await client.zrange(names.weights_versions, 0, -1)]
+        raw_state: dict[bytes, bytes] = await client.hgetall(names.learner_state)  # type: ignore[assignment]
+        learner = {k.decode(): v.decode() for k, v in raw_state.items()}
+        versions = [int(v) for v in await client.zrange(names.weights_versions, 0, -1)]  # type: ignore[arg-type]
         latest = await client.get(names.weights_latest)
     finally:
         await client.aclose()

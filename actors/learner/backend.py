@@ -89,15 +89,18 @@ class MicroBatch:
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on ``device`` (routes stay on the host)."""
 
-        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+        def mv(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        def mv_opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else mv(t)
 
         return MicroBatch(
             input_ids=mv(self.input_ids), attention_mask=mv(self.attention_mask), loss_mask=mv(self.loss_mask),
             behaviour_logprobs=mv(self.behaviour_logprobs), advantages=mv(self.advantages),
             token_versions=mv(self.token_versions), routes=self.routes, step_num_tokens=self.step_num_tokens,
-            step_num_sequences=self.step_num_sequences, proximal_logprobs=mv(self.proximal_logprobs),
-            reference_logprobs=mv(self.reference_logprobs), group_ids=self.group_ids,
+            step_num_sequences=self.step_num_sequences, proximal_logprobs=mv_opt(self.proximal_logprobs),
+            reference_logprobs=mv_opt(self.reference_logprobs), group_ids=self.group_ids,
         )  # fmt: skip
 
 

@@ -331,7 +331,7 @@ class Learner:
     async def _counters(self) -> dict[str, int]:
         assert self._redis is not None
         names = self.cfg.run.names
-        raw = await self._redis.hgetall(names.rollout_counters)
+        raw: dict[bytes, bytes] = await self._redis.hgetall(names.rollout_counters)  # type: ignore[assignment]
         return {k.decode(): int(v) for k, v in raw.items()}
 
 

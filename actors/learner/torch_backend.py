@@ -141,9 +141,9 @@ class TorchBackend(TrainingBackend):
         if config.gradient_checkpointing:
             kwargs = {"use_reentrant": False}
             if hasattr(self.model, "activation_checkpointing_enable"):  # the transformers 5.x name
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # type: ignore[operator]
             else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
         if reference_model is True:
             reference_model = copy.deepcopy(self.model)
         self.reference_model = None
@@ -252,7 +252,7 @@ class TorchBackend(TrainingBackend):
         if self.config.export_format == "checkpoint":
             from transformers.core_model_loading import revert_weight_conversion
 
-            state = revert_weight_conversion(self.model, state)
+            state = revert_weight_conversion(self.model, state)  # type: ignore[arg-type]
         for name, tensor in state.items():
             yield name, tensor.to("cpu").contiguous()
 
