@@ -1,0 +1,67 @@
+"""Spec surgery and stacked-expert naming of the Megatron backend (CPU, no megatron-core import)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from actors.learner.megatron.backend import _expand_stacked
+from actors.learner.megatron.convert import RankNaming, global_name
+from actors.learner.megatron.spec import _swap
+
+
+class SequentialMLP:  # stands in for megatron's class of the same name (matched by name)
+    pass
+
+
+class DotProductAttention:
+    pass
+
+
+class GroupedExperts:
+    pass
+
+
+@dataclasses.dataclass
+class Inner:
+    experts: object = None
+    other: object = None
+
+
+@dataclasses.dataclass
+class Layer:
+    core_attention: object = None
+    mlp: object = None
+    layers: list = dataclasses.field(default_factory=list)
+
+
+def test_swap_reaches_partials_nested_dataclasses_and_lists() -> None:
+    inner = Inner(experts=functools.partial(SequentialMLP, submodules="subs"), other=DotProductAttention)
+    spec = Layer(core_attention=DotProductAttention, mlp=functools.partial(object, submodules=inner),
+                 layers=[Layer(core_attention=DotProductAttention)])  # fmt: skip
+    _swap(spec, set(), ("SequentialMLP",), GroupedExperts)
+    assert isinstance(inner.experts, functools.partial) and inner.experts.func is GroupedExperts
+    assert inner.experts.keywords == {"submodules": "subs"}
+    assert spec.core_attention is DotProductAttention  # untouched: not asked for
+    _swap(spec, set(), ("DotProductAttention",), GroupedExperts)
+    assert spec.core_attention is GroupedExperts and spec.layers[0].core_attention is GroupedExperts
+    assert inner.other is GroupedExperts
+
+
+def test_stacked_expert_weights_expand_to_global_expert_names() -> None:
+    w1 = torch.arange(2 * 6 * 4, dtype=torch.float32).reshape(2, 6, 4)
+    w2 = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
+    named = [("decoder.layers.0.mlp.experts.weight1", w1), ("decoder.layers.0.mlp.experts.weight2", w2),
+             ("decoder.layers.0.mlp.router.weight", torch.zeros(4, 4))]  # fmt: skip
+    naming = RankNaming(layer_offset=3, num_local_layers=2, expert_offset=2, num_local_experts=2)
+    moe = (True,) * 5
+    out = {global_name(n, naming, moe): t for n, t in _expand_stacked(iter(named))}
+    assert sorted(out) == [
+        "decoder.layers.3.mlp.experts.2.linear_fc1.weight", "decoder.layers.3.mlp.experts.2.linear_fc2.weight",
+        "decoder.layers.3.mlp.experts.3.linear_fc1.weight", "decoder.layers.3.mlp.experts.3.linear_fc2.weight",
+        "decoder.layers.3.mlp.router.weight",
+    ]  # fmt: skip
+    assert torch.equal(out["decoder.layers.3.mlp.experts.3.linear_fc1.weight"], w1[1])
+    assert torch.equal(out["decoder.layers.3.mlp.experts.2.linear_fc2.weight"], w2[0])
