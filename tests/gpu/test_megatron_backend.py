@@ -263,7 +263,6 @@ def test_save_load_resumes_training(tmp_path) -> None:  # type: ignore[no-untype
         a.close()
     b = _backend(hf, lr=1e-3)
     try:
-        fresh_step = None
         b.load(tmp_path)
         b.train_step([mb], nll_loss, replay_routes=True)
         lp_b = b.forward_logprobs(mb, replay_routes=True).logprobs
