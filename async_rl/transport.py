@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import mmap
 import os
 import queue
@@ -385,4 +386,9 @@ class SharedMemoryTransport(BucketTransport):
             raise BucketMissing(f"bucket {index} of weights version {version} is missing ({path})") from None
 
     async def delete(self, version: int, num_buckets: int) -> None:
-        await asyncio.to_thread(shutil.rmtree, self.root / f"v{version}", True)
+        def remove() -> None:
+            shutil.rmtree(self.root / f"v{version}", ignore_errors=True)
+            with contextlib.suppress(OSError):  # not empty (other versions) or gone already
+                self.root.rmdir()
+
+        await asyncio.to_thread(remove)
