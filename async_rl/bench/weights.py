@@ -138,7 +138,7 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
                 keys = [names.weights_bucket(version, i) for i in range(m0.num_buckets)]
                 if args.transport == "redis":
                     t0 = time.perf_counter()
-                    blobs = [sync_r.get(k) for k in keys]
+                    blobs: list[bytes] = [sync_r.get(k) for k in keys]  # type: ignore[misc]
                     row["raw_get_gbps"] = total / (time.perf_counter() - t0) / GB
                     conn = RespConnection(redis_url)
                     t0 = time.perf_counter()

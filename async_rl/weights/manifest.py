@@ -114,7 +114,9 @@ class Manifest:
         )
 
     @classmethod
-    def decode(cls, data: bytes) -> Manifest:
+    def decode(cls, data: bytes | str) -> Manifest:
+        if not isinstance(data, bytes):
+            raise ManifestError("weights manifest must be bytes (is the Redis client decoding responses?)")
         try:
             d: dict[str, Any] = msgpack.unpackb(data)
             if d.get("schema") != MANIFEST_SCHEMA:

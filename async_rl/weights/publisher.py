@@ -222,7 +222,7 @@ class WeightPublisher:
     async def prune(self) -> list[int]:
         """Hide versions beyond the newest ``keep_versions``; delete hidden ones nobody is reading."""
         n = self.names
-        versions = [int(v) for v in await self.redis.zrange(n.weights_versions, 0, -1)]
+        versions = [int(v) for v in await self.redis.zrange(n.weights_versions, 0, -1)]  # type: ignore[arg-type]
         excess = versions[: max(0, len(versions) - self.cfg.keep_versions)]
         for version in excess:
             raw = await self.redis.get(n.weights_manifest(version))
