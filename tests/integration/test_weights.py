@@ -283,3 +283,24 @@ async def test_a_bucket_larger_than_one_redis_value_travels_in_parts(
     assert await redis_client.exists(names.weights_bucket(0, big.bucket), part) == 0
     with pytest.raises(ValueError, match="exceeds the Redis transport"):
         await transport.put(2, 0, memoryview(bytes(10_000 * 64 + 1)))
+
+
+async def test_a_reader_mid_version_is_not_cut_off_by_pruning(
+    redis_client: aioredis.Redis, names: Names, servers: ServerSet
+) -> None:
+    transport = RedisTransport(servers.redis_url, names)
+    pub = WeightPublisher(redis_client, transport, names, PublisherConfig(bucket_bytes=1 << 20, keep_versions=1))
+    big = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(120)}  # 120 MiB in 1 MiB buckets
+    await pub.publish(big, 1)
+    reader = WeightReader(redis_client, transport, names)
+    reading = asyncio.create_task(reader.fetch(1), name="slow-read")
+    while await redis_client.zcard(names.weights_readers(1)) == 0:  # the reader holds its lease
+        assert not reading.done()
+        await asyncio.sleep(0.001)
+    await pub.publish({"w": torch.zeros(4)}, 2)  # prunes version 1 while it is being read
+    assert not reading.done(), "the read finished before the prune: make the version larger"
+    assert await redis_client.zrange(names.weights_versions, 0, -1) == [b"2"]
+    got = await reading
+    assert all(torch.equal(got.tensors[k], v) for k, v in big.items())
+    assert await pub.prune() == [1]  # the lease is gone: now version 1 is deleted
+    assert await redis_client.exists(names.weights_bucket(1, 0), names.weights_manifest(1)) == 0
