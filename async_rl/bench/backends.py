@@ -23,6 +23,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 """Dense bf16 tensor-core peaks from the vendors' datasheets (SXM parts unless named), first match wins."""
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
     def record(backend: str, setting: str, times: list[float]) -> None:
         med = statistics.median(times)
         tps = tokens / med
-        row = {"backend": backend, "setting": setting, "step_time_s_median": med, "step_times_s": times,
+        row: dict[str, Any] = {"backend": backend, "setting": setting, "step_time_s_median": med, "step_times_s": times,
                "tokens_per_s": tps, "model_tflops_per_s": fpt * tps / 1e12,
                "mfu": (fpt * tps / peak) if peak else None,
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
         from actors.learner.megatron.backend import MegatronBackend
         from actors.learner.megatron.config import MegatronConfig
 
-        settings = (("sdpa", "grouped", False), ("sdpa", "sequential", False), ("unfused", "sequential", False),
+        settings: tuple[tuple[Any, Any, bool], ...] = (("sdpa", "grouped", False), ("sdpa", "sequential", False), ("unfused", "sequential", False),
                     ("sdpa", "grouped", True))  # fmt: skip
         for attention, experts, recompute in settings:
             torch.cuda.reset_peak_memory_stats()

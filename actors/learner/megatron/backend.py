@@ -376,17 +376,18 @@ class MegatronBackend(TrainingBackend):
             idx = slice(int(rows[0]), int(rows[-1]) + 1)  # array_split shares are contiguous: a view, no copy
             pad = seq - t_real
 
-            def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-                if t is None:
-                    return None
+            def cut(t: torch.Tensor) -> torch.Tensor:
                 return torch.nn.functional.pad(t[idx], (0, pad)) if pad else t[idx]
+
+            def cut_opt(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else cut(t)
 
             share = MicroBatch(
                 input_ids=cut(mb.input_ids), attention_mask=cut(mb.attention_mask), loss_mask=cut(mb.loss_mask),
                 behaviour_logprobs=cut(mb.behaviour_logprobs), advantages=cut(mb.advantages),
                 token_versions=cut(mb.token_versions), routes=[mb.routes[i] for i in rows],
                 step_num_tokens=mb.step_num_tokens, step_num_sequences=mb.step_num_sequences,
-                proximal_logprobs=cut(mb.proximal_logprobs), reference_logprobs=cut(mb.reference_logprobs),
+                proximal_logprobs=cut_opt(mb.proximal_logprobs), reference_logprobs=cut_opt(mb.reference_logprobs),
                 group_ids=[mb.group_ids[i] for i in rows] if mb.group_ids else [],
             )  # fmt: skip
         else:  # an empty share still runs (matched all-to-alls); one fully masked row
@@ -618,12 +619,12 @@ class MegatronBackend(TrainingBackend):
         world = torch.distributed.get_world_size()
         if world == 1:
             return pieces
-        box: list = [None] * world if self.is_main_rank else None
+        box: list | None = [None] * world if self.is_main_rank else None
         torch.distributed.gather_object(send, box, dst=0)
         if not self.is_main_rank:
             return None
         merged: dict[str, torch.Tensor] = {}
-        for part in box:
+        for part in box or []:
             for k, v in (part or {}).items():
                 merged.setdefault(k, v)
         return merged

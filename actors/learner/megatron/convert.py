@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -81,7 +82,7 @@ class ModelArch:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf_config(cls, cfg: object) -> ModelArch:
+    def from_hf_config(cls, cfg: Any) -> ModelArch:
         """Read a transformers config (Qwen3-MoE, Qwen2-MoE, Mixtral, or dense Qwen2/Qwen3)."""
         mt = getattr(cfg, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
@@ -231,16 +232,16 @@ def mcore_to_hf(mc: Mapping[str, torch.Tensor], arch: ModelArch, *, fused_expert
             out[mlp + "down_proj.weight"] = _pop(sd, m + "mlp.linear_fc2.weight")
             continue
         out[mlp + "gate.weight"] = _pop(sd, m + "mlp.router.weight")
-        fc1 = [_pop(sd, m + f"mlp.experts.{e}.linear_fc1.weight") for e in range(arch.num_experts)]
-        fc2 = [_pop(sd, m + f"mlp.experts.{e}.linear_fc2.weight") for e in range(arch.num_experts)]
+        e_fc1 = [_pop(sd, m + f"mlp.experts.{e}.linear_fc1.weight") for e in range(arch.num_experts)]
+        e_fc2 = [_pop(sd, m + f"mlp.experts.{e}.linear_fc2.weight") for e in range(arch.num_experts)]
         if fused_experts:
-            out[mlp + "experts.gate_up_proj"] = torch.stack(fc1)
-            out[mlp + "experts.down_proj"] = torch.stack(fc2)
+            out[mlp + "experts.gate_up_proj"] = torch.stack(e_fc1)
+            out[mlp + "experts.down_proj"] = torch.stack(e_fc2)
         else:
             for e in range(arch.num_experts):
                 x = f"{mlp}experts.{e}."
-                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = fc1[e][:ff], fc1[e][ff:]
-                out[x + "down_proj.weight"] = fc2[e]
+                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = e_fc1[e][:ff], e_fc1[e][ff:]
+                out[x + "down_proj.weight"] = e_fc2[e]
         if arch.shared_expert_size:
             s, fs = mlp + "shared_expert.", arch.shared_expert_size
             fc1s = _pop(sd, m + "mlp.shared_experts.linear_fc1.weight")

@@ -113,10 +113,10 @@ def grouped_experts_class():  # type: ignore[no-untyped-def]
                 config.expert_tensor_parallel_size != config.tensor_model_parallel_size
             )
             for w, dim in ((self.weight1, 1), (self.weight2, 2)):
-                w.tensor_model_parallel = True  # a unique shard per ETP rank (never a TP duplicate)
-                w.partition_dim = dim
-                w.partition_stride = 1
-                w.allreduce = not expert_pgs  # expert-DP gradient reduction, like megatron's expert linears
+                setattr(w, "tensor_model_parallel", True)  # noqa: B010 - a unique shard per ETP rank, never a TP duplicate
+                setattr(w, "partition_dim", dim)  # noqa: B010
+                setattr(w, "partition_stride", 1)  # noqa: B010
+                setattr(w, "allreduce", not expert_pgs)  # noqa: B010 - expert-DP gradient reduction, like megatron's
 
         def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):  # type: ignore[no-untyped-def]
             counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int32)

@@ -8,6 +8,8 @@ expert routes in the wire format (the last token of each sequence never run, as 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -20,7 +22,7 @@ def toy_config(*, num_layers: int = 4, dense_first: bool = True, vocab_size: int
                num_experts: int = 8, top_k: int = 2, moe_ffn: int = 128, heads: int = 4, kv_heads: int = 2,
                head_dim: int = 64, norm_topk_prob: bool = True, max_len: int = 1024) -> Qwen3MoeConfig:  # fmt: skip
     """A Qwen3-MoE config; ``dense_first`` makes layer 0 a dense MLP (DeepSeek-style)."""
-    return Qwen3MoeConfig(
+    return Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * moe_ffn, moe_intermediate_size=moe_ffn,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         num_experts=num_experts, num_experts_per_tok=top_k, mlp_only_layers=[0] if dense_first else [],
@@ -41,7 +43,7 @@ def build_hf(cfg: Qwen3MoeConfig, *, seed: int = 0, dtype: torch.dtype = torch.f
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None and hasattr(gate, "weight"):
                 gate.weight.normal_(0.0, 0.5)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
 
 
 def make_batch(cfg: Qwen3MoeConfig, lengths: list[int], *, prompt_len: int = 8, seed: int = 0,
@@ -84,7 +86,7 @@ def hf_routes(model: Qwen3MoeForCausalLM, mb: MicroBatch) -> list[np.ndarray]:
     return [full[b, : int(n) - 1].astype(np.uint8) for b, n in enumerate(lengths)]
 
 
-def with_routes(mb: MicroBatch, routes: list[np.ndarray | None]) -> MicroBatch:
+def with_routes(mb: MicroBatch, routes: Sequence[np.ndarray | None]) -> MicroBatch:
     """``mb`` with its routes replaced."""
     return MicroBatch(
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, loss_mask=mb.loss_mask,
