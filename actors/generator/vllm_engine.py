@@ -228,6 +228,8 @@ class VLLMEngine(Engine):
     _ids: itertools.count
     _uid: str
     _closed: bool
+    _meta_model: Any
+    """The HF model on the meta device (built on first use): maps in-memory names to checkpoint names."""
 
     def __init__(self, config: VLLMEngineConfig) -> None:
         self.config = config
@@ -245,6 +247,7 @@ class VLLMEngine(Engine):
         self._ids = itertools.count()
         self._uid = uuid.uuid4().hex[:6]
         self._closed = False
+        self._meta_model = None
         self.last_swap_pause_s = 0.0
         self.last_stage_s = 0.0
         self.last_stage_error = None
@@ -411,12 +414,16 @@ class VLLMEngine(Engine):
     def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Check names/shapes now (ValueError); ship, pause, load in place and resume in the background.
 
+        Names are the checkpoint's (what ``save_pretrained`` writes, one tensor per expert) or transformers'
+        in-memory ``state_dict`` names (fused experts), which are converted here.
+
         The engine keeps references to ``tensors`` until they reached the worker: do not modify them.
         """
         if self._closed:
             raise RuntimeError("engine is closed")
         if version <= self._version:
             raise ValueError(f"staged version {version} is not newer than the version in use ({self._version})")
+        tensors = self._checkpoint_names(tensors)
         self._check_tensors(tensors)
         with self._lock:
             self._pending = (tensors, version)
@@ -542,6 +549,25 @@ class VLLMEngine(Engine):
         return routes[: max(prompt_len + num_tokens - 1, 0)]
 
     # ---------------------------------------------------------------- weights
+
+    def _checkpoint_names(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """``tensors`` under the checkpoint's names: transformers' in-memory names (fused experts) are converted."""
+        if set(tensors) <= set(self.facts.shapes):
+            return tensors
+        from transformers import AutoModelForCausalLM
+        from transformers.core_model_loading import revert_weight_conversion
+
+        with self._lock:
+            if self._meta_model is None:
+                with torch.device("meta"):
+                    self._meta_model = AutoModelForCausalLM.from_config(load_model_config(self.facts.directory))
+            meta = self._meta_model
+        if set(tensors) != set(meta.state_dict()):
+            return tensors  # neither naming: _check_tensors says what is wrong
+        try:
+            return revert_weight_conversion(meta, dict(tensors))
+        except Exception as exc:  # a shape or dtype the conversion cannot take
+            raise ValueError(f"staged weights could not be converted to the checkpoint's names: {exc!r}") from exc
 
     def _check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         shapes = self.facts.shapes

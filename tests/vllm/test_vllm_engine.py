@@ -164,7 +164,9 @@ async def test_agrees_with_the_torch_engine(engine: VLLMEngine, model_dirs: tupl
 
 
 @shared_loop
-async def test_swap_matches_a_fresh_engine_and_back(engine: VLLMEngine, model_dirs: tuple[Path, Path]) -> None:
+async def test_swap_matches_a_fresh_engine_and_back(
+    engine: VLLMEngine, model_dirs: tuple[Path, Path], hf_models
+) -> None:  # type: ignore[no-untyped-def]
     greedy = SamplingParams(n=1, max_new_tokens=32, temperature=0.0)
     ref_a = await engine.generate(PROMPTS, greedy)
     fresh_b = await asyncio.to_thread(VLLMEngine, _engine_config(model_dirs[1]))
@@ -174,8 +176,9 @@ async def test_swap_matches_a_fresh_engine_and_back(engine: VLLMEngine, model_di
         await fresh_b.close()
     assert [g[0].token_ids.tolist() for g in ref_a] != [g[0].token_ids.tolist() for g in ref_b]
 
+    # Weights B under transformers' in-memory names (fused experts), as the torch learner exports by default.
     version = engine.version + 1
-    engine.stage_weights(_weights(model_dirs[1]), version)
+    engine.stage_weights({k: v.detach().clone() for k, v in hf_models[1].state_dict().items()}, version)
     assert await engine.wait_applied(version, SWAP_TIMEOUT_S), engine.last_stage_error
     print(f"swap: staged in {engine.last_stage_s * 1e3:.1f} ms, paused {engine.last_swap_pause_s * 1e3:.1f} ms")
     got_b = await engine.generate(PROMPTS, greedy)
@@ -185,6 +188,7 @@ async def test_swap_matches_a_fresh_engine_and_back(engine: VLLMEngine, model_di
         assert np.array_equal(got[0].routes, ref[0].routes)
         assert np.all(got[0].versions == version)
 
+    # And back to A, under the checkpoint's names.
     engine.stage_weights(_weights(model_dirs[0]), version + 1)
     assert await engine.wait_applied(version + 1, SWAP_TIMEOUT_S), engine.last_stage_error
     got_a = await engine.generate(PROMPTS, greedy)
@@ -198,11 +202,9 @@ async def test_versions_across_a_swap_mid_sequence(
     engine: VLLMEngine, model_dirs: tuple[Path, Path], hf_models
 ) -> None:  # type: ignore[no-untyped-def]
     model_a, model_b = hf_models
-    before = engine.version
-    if before % 2:  # make sure weights A are in use (the swap test leaves them so; this keeps the test standalone)
-        engine.stage_weights(_weights(model_dirs[0]), before + 1)
-        assert await engine.wait_applied(before + 1, SWAP_TIMEOUT_S)
-        before += 1
+    before = engine.version + 1
+    engine.stage_weights(_weights(model_dirs[0]), before)  # weights A in use, whatever ran before
+    assert await engine.wait_applied(before, SWAP_TIMEOUT_S), engine.last_stage_error
     prompt = PROMPTS[0]
     params = SamplingParams(n=4, max_new_tokens=256 - prompt.size - 1, temperature=0.0)
     t0 = time.perf_counter()
