@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ class WeightSync:
     num_transient_errors: int
     refused: set[int]
     last_fetch: FetchedVersion | None
+    """The last staged version's manifest and timings (its tensors dropped)."""
     last_error: str
     _wake: asyncio.Event
     _stop: asyncio.Event
@@ -219,7 +221,8 @@ class WeightSync:
                 backoff_s = min(backoff_s * 2, self.cfg.max_backoff_s)
                 continue
             self.staged_version = fetched.version
-            self.last_fetch = fetched
+            # Timings and manifest only: the tensors (a whole version of buffers) belong to the engine now.
+            self.last_fetch = dataclasses.replace(fetched, tensors={})
             self.num_staged += 1
             log.info(
                 "staged weights v%d: %.1f MB in %.2fs (%.2f GB/s; waiting for verified bytes %.2fs)",
