@@ -117,9 +117,10 @@ def _token_stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool,
     """log p(label) and (optionally) entropy per position from vocab-parallel logits ``[b, s, V/tp]`` (fp32)."""
     logits = logits.float()
     if tp_size == 1:
-        logp = torch.log_softmax(logits, dim=-1)
-        lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
+        # logsumexp + gather: no second [b, s, V] float tensor (the vocabulary is the largest dimension here).
+        lse = torch.logsumexp(logits, dim=-1)
+        lp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
         return lp, ent
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
