@@ -496,8 +496,6 @@ class MegatronBackend(TrainingBackend):
 
     def _gather_rows(self, mb: MicroBatch, item: _Item, out: ForwardOutput | None) -> ForwardOutput:
         """Reassemble ``[B, T]`` outputs from the last stage of every DP replica, on every rank."""
-        from megatron.core import parallel_state as ps
-
         t = int(mb.input_ids.shape[1])
         mine = None
         if out is not None and self.tp_rank == 0 and self.cp_rank == 0 and item.rows.size:
@@ -505,7 +503,6 @@ class MegatronBackend(TrainingBackend):
             mine = (item.rows, out.logprobs[:, :t].float().cpu(), ent)
         parts: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(parts, mine)
-        del ps
         lp = torch.zeros(mb.num_sequences, t)
         ent = None
         for p in parts:
