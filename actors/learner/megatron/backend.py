@@ -51,6 +51,7 @@ from actors.learner.megatron.convert import (
     unshard,
 )
 from actors.learner.megatron.launch import init_distributed
+from actors.learner.megatron.logits import CPGather, token_stats
 from actors.learner.megatron.routes import (
     PipelineSplit,
     TokenSplit,
@@ -88,53 +89,6 @@ class _Item:
     """int64 ``[T_local]``: global positions of this CP rank, in local order."""
     replay: list[np.ndarray] | None
     """Per-router ``[rows, top_k]`` indices to replay, or None (free routing)."""
-
-
-class _CPGather(torch.autograd.Function):
-    """All-gather a ``[b, T_local]`` tensor over CP into ``[b, T]``; backward keeps this rank's positions only."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, positions: torch.Tensor, seq_len: int, group) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        world = torch.distributed.get_world_size(group)
-        xs = [torch.empty_like(x) for _ in range(world)]
-        ps = [torch.empty_like(positions) for _ in range(world)]
-        torch.distributed.all_gather(xs, x.contiguous(), group=group)
-        torch.distributed.all_gather(ps, positions.contiguous(), group=group)
-        out = x.new_zeros(x.shape[0], seq_len)
-        for xi, pi in zip(xs, ps, strict=True):
-            out[:, pi] = xi
-        ctx.save_for_backward(positions)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
-        (positions,) = ctx.saved_tensors
-        return grad[:, positions], None, None, None
-
-
-def _token_stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, tp_group, tp_size: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """log p(label) and (optionally) entropy per position from vocab-parallel logits ``[b, s, V/tp]`` (fp32)."""
-    logits = logits.float()
-    if tp_size == 1:
-        # logsumexp + gather: no second [b, s, V] float tensor (the vocabulary is the largest dimension here).
-        lse = torch.logsumexp(logits, dim=-1)
-        lp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
-        return lp, ent
-    from megatron.core import tensor_parallel
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    lp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels)
-    ent = None
-    if with_entropy:
-        m = logits.detach().max(dim=-1).values
-        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=tp_group)
-        z = logits - m.unsqueeze(-1)
-        se = reduce_from_tensor_model_parallel_region(z.exp().sum(-1))
-        p = z.exp() / se.unsqueeze(-1)
-        ent = se.log() - reduce_from_tensor_model_parallel_region((p * z).sum(-1))
-    return lp, ent
 
 
 class MegatronBackend(TrainingBackend):
@@ -427,13 +381,13 @@ class MegatronBackend(TrainingBackend):
 
         if self.cfg.temperature != 1.0:
             logits = logits.float() / self.cfg.temperature
-        lp, ent = _token_stats(logits, item.labels, with_entropy, ps.get_tensor_model_parallel_group(),
+        lp, ent = token_stats(logits, item.labels, with_entropy, ps.get_tensor_model_parallel_group(),
                                self.cfg.tensor_parallel)  # fmt: skip
         seq = item.mb.input_ids.shape[1]
         if self.cfg.context_parallel > 1:
             group = ps.get_context_parallel_group()
-            lp = _CPGather.apply(lp, item.positions, seq, group)
-            ent = None if ent is None else _CPGather.apply(ent, item.positions, seq, group)
+            lp = CPGather.apply(lp, item.positions, seq, group)
+            ent = None if ent is None else CPGather.apply(ent, item.positions, seq, group)
         # position t of the logits predicts token t+1: shift right so logprobs[:, t] belongs to input_ids[:, t].
         valid = item.mb.attention_mask
         lp = torch.nn.functional.pad(lp[:, :-1], (1, 0)).masked_fill(~valid, 0.0)

@@ -68,15 +68,15 @@ def test_stacked_expert_weights_expand_to_global_expert_names() -> None:
 
 
 def test_token_stats_single_rank_matches_log_softmax() -> None:
-    from actors.learner.megatron.backend import _token_stats
+    from actors.learner.megatron.logits import token_stats
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 7, 50, generator=g) * 4).to(torch.bfloat16)
     labels = torch.randint(0, 50, (3, 7), generator=g)
-    lp, ent = _token_stats(logits, labels, True, None, 1)
+    lp, ent = token_stats(logits, labels, True, None, 1)
     ref = torch.log_softmax(logits.double(), dim=-1)
     assert ent is not None
     torch.testing.assert_close(lp.double(), ref.gather(-1, labels.unsqueeze(-1)).squeeze(-1), atol=1e-5, rtol=0)
     torch.testing.assert_close(ent.double(), -(ref.exp() * ref).sum(-1), atol=1e-5, rtol=0)
-    lp2, ent2 = _token_stats(logits, labels, False, None, 1)
+    lp2, ent2 = token_stats(logits, labels, False, None, 1)
     assert ent2 is None and torch.equal(lp2, lp)
