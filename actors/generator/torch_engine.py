@@ -303,12 +303,20 @@ class TorchEngine(Engine):
                 self._swap_locked()
 
     def _new_standby(self) -> PreTrainedModel:
-        """A second instance of the model architecture (its initial values are overwritten by a full version)."""
+        """A second instance of the model architecture, parameters left uninitialised (a staged version
+        overwrites every one of them); buffers (e.g. rotary frequencies) are copied from the active model.
+        Skipping the random init makes the first swap of a 1 GB model seconds faster."""
         cfg = self._active.config
         dtype = next(self._active.parameters()).dtype
-        with torch.device(self.device):
+        with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-        return model.to(self.device).eval()
+        model = model.to_empty(device=self.device)
+        model.tie_weights()  # to_empty turns tied meta parameters into separate ones
+        active_buffers = dict(self._active.named_buffers())
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                buf.copy_(active_buffers[name])
+        return model.eval()
 
     def _swap_locked(self) -> None:
         """Exchange active and standby (caller holds ``_swap_lock`` and no forward is running)."""
