@@ -1,0 +1,64 @@
+"""A vLLM generator process feeding a torch learner, end to end, against real Redis and NATS.
+
+The learner (tiny MoE preset, copy task, R3 replay of the generator's routes) trains a few steps on
+groups a single ``async-rl generator`` with ``engine=vllm`` produced, following the learner's weight
+versions (published under transformers' in-memory names) as it goes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from async_rl.names import Names
+from async_rl.servers import ServerSet
+from async_rl.wire import decode_group
+from tests.integration.procs import Procs
+
+pytestmark = pytest.mark.vllm
+
+NUM_STEPS = 3
+VLLM_GENERATOR_ARGS = [
+    "engine=vllm", "vllm.model.name=tiny-moe", "vllm.kv_cache_mib=64", "vllm.max_batch_prompts=8",
+    "task.name=copy", "prompts.reclaim_idle_ms=3000", "read_block_ms=200", "heartbeat_interval_s=0.5",
+]  # fmt: skip
+
+
+def test_vllm_generator_feeds_the_learner(servers: ServerSet, names: Names, tmp_path: Path) -> None:
+    procs = Procs(servers, names, tmp_path / "run")
+    try:
+        procs.learner(f"max_steps={NUM_STEPS}", "batch_groups=4")
+        procs.start("gen-vllm", "generator", [*VLLM_GENERATOR_ARGS, "generator_id=gen-vllm"])
+        procs.wait_for("the learner's steps", lambda: procs.procs["learner"].poll() is not None, timeout_s=420)
+        assert procs.procs["learner"].returncode == 0, procs.tails()
+        rows = procs.metrics()
+        assert [int(r["step"]) for r in rows] == list(range(1, NUM_STEPS + 1)), procs.tails()
+
+        client = redis.Redis.from_url(servers.redis_url)
+        try:
+            groups = []
+            for _, f in client.xrange(names.rollouts_stream):
+                data = f.get(b"rec") or client.get(f[b"ref"])
+                groups.append(decode_group(data))
+        finally:
+            client.close()
+        assert groups, "no rollout record left in the stream to inspect"
+        versions = set()
+        for g in groups:
+            assert g.generator_id == "gen-vllm"
+            for s in g.samples:
+                versions.update(int(v) for v in s.versions)
+                assert np.all(np.isfinite(s.logprobs)) and np.all(s.logprobs <= 0)
+                assert s.routes is not None and s.routes.dtype == np.uint8
+                assert s.routes.shape[1:] == (2, 2)  # tiny-moe: 2 MoE layers, top-2
+                assert s.routes.shape[0] == g.prompt_ids.size + s.response_ids.size - 1
+        print(f"{len(groups)} groups left in the stream, token versions {sorted(versions)}")
+        assert min(versions) >= 0, versions  # generated only with the learner's weights, never the init ones
+        assert procs.stop("gen-vllm") == 0, procs.tails()
+        log = procs.log("gen-vllm")
+        assert "vLLM engine: version" in log and "in use" in log, procs.tails()
+    finally:
+        procs.close()
