@@ -48,8 +48,11 @@ def _seen_groups(run_dir: Path) -> tuple[int, set[str]]:
 
 
 def test_reward_improves(procs: Procs) -> None:
-    """Threshold: the mean reward of the last 5 of 40 steps beats the first 5 by 0.1 (random init starts near 0.05)."""
-    procs.learner("max_steps=40")
+    """Threshold: the mean reward of the last 5 of 40 steps beats the first 5 by 0.1 (random init starts near 0.05).
+
+    32 groups x 8 samples per step at lr 2e-3: an in-process on-policy run reaches ~0.3 by step 40 with this
+    recipe, so +0.1 leaves room for staleness and noise while still failing when nothing is learned."""
+    procs.learner("max_steps=40", "batch_groups=32")
     procs.generator("gen-0")
     procs.generator("gen-1")
     procs.wait_for("40 learner steps", lambda: procs.procs["learner"].poll() is not None, timeout_s=480)
