@@ -57,17 +57,16 @@ def _common(**overrides: Any) -> dict[str, Any]:
     return base
 
 
-def tiny_moe_config(**overrides: Any) -> Qwen3MoeConfig:
-    """The quickstart model: Qwen3-MoE, 2 layers, hidden 64, 4 experts (top-2), char vocabulary."""
+def _moe_config(*, hidden: int, intermediate: int, layers: int, experts: int, **overrides: Any) -> Qwen3MoeConfig:
     kw = _common(
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         moe_intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        num_experts=4,
+        num_experts=experts,
         num_experts_per_tok=2,
         norm_topk_prob=True,
         decoder_sparse_step=1,
@@ -75,26 +74,16 @@ def tiny_moe_config(**overrides: Any) -> Qwen3MoeConfig:
     )
     kw.update(overrides)
     return Qwen3MoeConfig(**kw)
+
+
+def tiny_moe_config(**overrides: Any) -> Qwen3MoeConfig:
+    """The quickstart model: Qwen3-MoE, 2 layers, hidden 64, 4 experts (top-2), char vocabulary."""
+    return _moe_config(hidden=64, intermediate=128, layers=2, experts=4, **overrides)
 
 
 def small_moe_config(**overrides: Any) -> Qwen3MoeConfig:
     """A bigger toy MoE (4 layers, hidden 128, 8 experts, top-2) for benchmarks and route tests."""
-    kw = _common(
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        router_aux_loss_coef=0.0,
-    )
-    kw.update(overrides)
-    return Qwen3MoeConfig(**kw)
+    return _moe_config(hidden=128, intermediate=256, layers=4, experts=8, **overrides)
 
 
 def tiny_dense_config(**overrides: Any) -> Qwen3Config:

@@ -328,21 +328,27 @@ def _version_of(data: bytes | bytearray | memoryview) -> int | None:
         return None
 
 
-def decode_group(data: bytes | bytearray | memoryview) -> GroupRecord:
-    """Decode and validate one group record; arrays are read-only views into ``data``."""
+def _decode_struct(decoder: Any, data: Any, what: str, schema: str, expected: int) -> Any:
+    """Decode ``data`` with ``decoder``; every failure becomes a WireError naming what and why."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise WireError(f"group record must be bytes, got {type(data).__name__}")
+        raise WireError(f"{what} must be bytes, got {type(data).__name__}")
     try:
-        w = _GROUP_DECODER.decode(data)
+        w = decoder.decode(data)
     except msgspec.ValidationError as exc:
         v = _version_of(data)
-        if v is not None and v != SCHEMA_VERSION:
-            raise WireError(f"unknown schema version {v} (this code reads {SCHEMA_VERSION})") from exc
-        raise WireError(f"malformed group record: {exc}") from exc
+        if v is not None and v != expected:
+            raise WireError(f"unknown {schema} version {v} (this code reads {expected})") from exc
+        raise WireError(f"malformed {what}: {exc}") from exc
     except (msgspec.DecodeError, ValueError) as exc:  # ValueError: e.g. a string that is not UTF-8
-        raise WireError(f"group record is not valid msgpack: {exc}") from exc
-    if w.v != SCHEMA_VERSION:
-        raise WireError(f"unknown schema version {w.v} (this code reads {SCHEMA_VERSION})")
+        raise WireError(f"{what} is not valid msgpack: {exc}") from exc
+    if w.v != expected:
+        raise WireError(f"unknown {schema} version {w.v} (this code reads {expected})")
+    return w
+
+
+def decode_group(data: bytes | bytearray | memoryview) -> GroupRecord:
+    """Decode and validate one group record; arrays are read-only views into ``data``."""
+    w = _decode_struct(_GROUP_DECODER, data, "group record", "schema", SCHEMA_VERSION)
     _check_str(w.gid, "group_id")
     _check_str(w.pid, "prompt_id")
     if not math.isfinite(w.t):
@@ -434,18 +440,6 @@ def encode_prompt(spec: PromptSpec) -> bytes:
 
 def decode_prompt(data: bytes | bytearray | memoryview) -> PromptSpec:
     """Decode and validate a prompt entry; ``prompt_ids`` is a read-only view into ``data``."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise WireError(f"prompt entry must be bytes, got {type(data).__name__}")
-    try:
-        w = _PROMPT_DECODER.decode(data)
-    except msgspec.ValidationError as exc:
-        v = _version_of(data)
-        if v is not None and v != PROMPT_SCHEMA_VERSION:
-            raise WireError(f"unknown prompt schema version {v} (this code reads {PROMPT_SCHEMA_VERSION})") from exc
-        raise WireError(f"malformed prompt entry: {exc}") from exc
-    except (msgspec.DecodeError, ValueError) as exc:  # ValueError: e.g. a string that is not UTF-8
-        raise WireError(f"prompt entry is not valid msgpack: {exc}") from exc
-    if w.v != PROMPT_SCHEMA_VERSION:
-        raise WireError(f"unknown prompt schema version {w.v} (this code reads {PROMPT_SCHEMA_VERSION})")
+    w = _decode_struct(_PROMPT_DECODER, data, "prompt entry", "prompt schema", PROMPT_SCHEMA_VERSION)
     _check_str(w.pid, "prompt_id")
     return PromptSpec(prompt_id=w.pid, prompt_ids=_from_wire(w.ids, "prompt_ids", (_I32,), 1), metadata=w.meta)
