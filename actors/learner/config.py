@@ -137,6 +137,9 @@ class LearnerConfig:
             raise ValueError("learner.target_window must be >= 1")
         if self.read_block_ms < 1:
             raise ValueError("learner.read_block_ms must be >= 1")
+        if self.backend == "megatron" and self.algorithm.needs_reference_logprobs:
+            raise ValueError("learner.algorithm.loss.kl_coef > 0 needs a reference model, which the megatron backend "
+                             "does not have yet; use backend=torch or kl_coef=0")  # fmt: skip
         if not 0 <= self.admission_lag_versions <= self.staleness.max_staleness:
             raise ValueError("learner.admission_lag_versions must be in [0, staleness.max_staleness]")
         if self.algorithm.advantage.estimator in ("grpo", "rloo") and self.sampling.n < 2:
