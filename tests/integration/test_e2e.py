@@ -142,3 +142,19 @@ def test_generator_joining_mid_run_starts_on_newest_weights(procs: Procs, server
     assert first_beat, procs.tails()
     assert first_beat["gen-late"].version >= joined_at, (first_beat["gen-late"].version, joined_at)
     procs.stop("learner")
+
+
+def test_generator_sigterm_leaves_cleanly(procs: Procs, servers: ServerSet, names: Names) -> None:
+    """SIGTERM: the generator exits 0 and holds nothing afterwards (finished or released to others)."""
+    procs.learner("max_steps=200")
+    procs.generator("gen-0")
+    procs.wait_for("2 learner steps", lambda: _steps(procs) >= 2, timeout_s=240)
+    assert procs.stop("gen-0", signal.SIGTERM, timeout_s=60) == 0, procs.tails()
+    client = redis.Redis.from_url(servers.redis_url)
+    try:
+        pending = client.xpending_range(names.prompts_stream, names.prompts_group, "-", "+", 1000, consumername="gen-0")
+    finally:
+        client.close()
+    assert pending == [], pending
+    assert "generator gen-0 stopping" in procs.log("gen-0")
+    procs.stop("learner")
