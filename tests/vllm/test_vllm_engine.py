@@ -7,6 +7,7 @@ the swap test. References are transformers models in fp32 running the same check
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -153,9 +154,18 @@ async def test_agrees_with_the_torch_engine(engine: VLLMEngine, model_dirs: tupl
         params = SamplingParams(n=1, max_new_tokens=24, temperature=0.0)
         ours = await engine.generate(PROMPTS, params)
         theirs = await torch_engine.generate(PROMPTS, params)
+        # A stop token ends the sample and is kept, in both engines.
+        greedy = ours[0][0].token_ids.tolist()
+        stop = greedy[5]
+        with_stop = dataclasses.replace(params, stop_token_ids=(stop,))
+        ours_stop = (await engine.generate(PROMPTS[:1], with_stop))[0][0]
+        theirs_stop = (await torch_engine.generate(PROMPTS[:1], with_stop))[0][0]
     finally:
         await torch_engine.close()
+    assert ours_stop.token_ids.tolist() == greedy[: greedy.index(stop) + 1] == theirs_stop.token_ids.tolist()
+    assert ours_stop.finish_reason == theirs_stop.finish_reason == "stop"
     for a, b in zip(ours, theirs, strict=True):
+        assert a[0].finish_reason == b[0].finish_reason == "length"
         assert a[0].token_ids.tolist() == b[0].token_ids.tolist()
         np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=LOGPROB_ATOL)
         assert a[0].routes is not None and b[0].routes is not None
