@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "actors.generator.vllm_worker.ArlWorkerExtension"
 """Qualified name of the worker extension vLLM mixes into its worker."""
+SHM_HEADROOM_BYTES = 64 << 20
+"""Free space /dev/shm must keep beyond a weight file (other users of it, the safetensors header)."""
 DEFAULT_CPU_KV_CACHE_MIB = 1024
 """KV cache on CPU when none is configured: vLLM's own CPU sizing reserves 92% of the node's memory."""
 
@@ -171,11 +173,14 @@ def _model_facts(directory: Path) -> _ModelFacts:
 
 
 def _write_shm(tensors: Mapping[str, torch.Tensor]) -> Path:
-    """Write a weight version as one safetensors file in shared memory (/dev/shm when there is one)."""
+    """Write a weight version as one safetensors file in shared memory (/dev/shm when it has room, else the
+    temporary directory: containers often mount a small /dev/shm)."""
     from safetensors.torch import save_file
 
     shm = Path("/dev/shm")
-    fd, name = tempfile.mkstemp(prefix="arl-weights-", suffix=".safetensors", dir=shm if shm.is_dir() else None)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    room = shm.is_dir() and shutil.disk_usage(shm).free > nbytes + SHM_HEADROOM_BYTES
+    fd, name = tempfile.mkstemp(prefix="arl-weights-", suffix=".safetensors", dir=shm if room else None)
     os.close(fd)
     path = Path(name)
     try:
@@ -212,6 +217,8 @@ class VLLMEngine(Engine):
     """Time generation stood still for the last swap (pause, in-place load, relabel, resume)."""
     last_stage_s: float
     """Time the last version took to reach the worker (generation kept going)."""
+    last_load_s: float
+    """Part of the last pause spent loading in place inside the worker."""
     last_stage_error: str | None
     """Why the last staged version could not be applied (None when it was)."""
     _llm: Any
@@ -250,6 +257,7 @@ class VLLMEngine(Engine):
         self._meta_model = None
         self.last_swap_pause_s = 0.0
         self.last_stage_s = 0.0
+        self.last_load_s = 0.0
         self.last_stage_error = None
         try:
             self.facts = _model_facts(self._model_dir(config))
@@ -611,19 +619,22 @@ class VLLMEngine(Engine):
         t1 = time.perf_counter()
         await llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await llm.collective_rpc("arl_apply_staged", args=(version,))
+            load_s = (await llm.collective_rpc("arl_apply_staged", args=(version,)))[0]
             await llm.update_weight_version(str(version))
         finally:
             await llm.resume_generation()
         t2 = time.perf_counter()
-        self.last_stage_s, self.last_swap_pause_s = t1 - t0, t2 - t1
+        self.last_stage_s, self.last_swap_pause_s, self.last_load_s = t1 - t0, t2 - t1, float(load_s)
         self._version = version
         if self.prefix_caching:
             await llm.reset_prefix_cache()  # frees blocks of older versions (new requests are salted anyway)
         assert self._applied is not None
         applied, self._applied = self._applied, asyncio.Event()
         applied.set()
-        log.info("vLLM engine: version %d in use (staged in %.3f s, paused %.3f s)", version, t1 - t0, t2 - t1)
+        log.info(
+            "vLLM engine: version %d in use (staged in %.3f s, paused %.3f s, of which the in-place load %.3f s)",
+            version, t1 - t0, t2 - t1, load_s,
+        )  # fmt: skip
 
     def _remove_tmp(self) -> None:
         if self._tmp_dir is not None:

@@ -190,7 +190,10 @@ async def test_swap_matches_a_fresh_engine_and_back(
     version = engine.version + 1
     engine.stage_weights({k: v.detach().clone() for k, v in hf_models[1].state_dict().items()}, version)
     assert await engine.wait_applied(version, SWAP_TIMEOUT_S), engine.last_stage_error
-    print(f"swap: staged in {engine.last_stage_s * 1e3:.1f} ms, paused {engine.last_swap_pause_s * 1e3:.1f} ms")
+    print(
+        f"swap: staged in {engine.last_stage_s * 1e3:.1f} ms, paused {engine.last_swap_pause_s * 1e3:.1f} ms "
+        f"(in-place load {engine.last_load_s * 1e3:.1f} ms)"
+    )
     got_b = await engine.generate(PROMPTS, greedy)
     for got, ref in zip(got_b, ref_b, strict=True):
         assert got[0].token_ids.tolist() == ref[0].token_ids.tolist()
