@@ -93,6 +93,21 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float) -> None:
             p.wait()
 
 
+def validate_configs(args: argparse.Namespace) -> str | None:
+    """Build the learner's and a generator's configs in-process, so a bad override fails before anything starts."""
+    from actors.generator.config import GeneratorConfig
+    from actors.learner.config import LearnerConfig
+    from async_rl.configurable import ConfigError, load_config
+
+    urls = ["run.redis_url=redis://127.0.0.1:1/0", "run.nats_url=nats://127.0.0.1:1"]
+    try:
+        load_config(LearnerConfig, None, [*urls, *DEFAULT_LEARNER, *args.learner])
+        load_config(GeneratorConfig, None, [*urls, "generator_id=gen-0", *GENERATOR_ARGS, *args.generator])
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def plot_rewards(points: list[tuple[float, int, float]], path: Path, target: float, title: str) -> None:
     import matplotlib
 
@@ -132,6 +147,10 @@ async def _run(args: argparse.Namespace) -> int:
     from async_rl.servers import ensure_servers
 
     console = Console(stderr=True)
+    error = validate_configs(args)
+    if error:
+        console.print(f"[bold red]async-rl quickstart: config error:[/] {error}")
+        return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir: Path = args.run_dir or Path("runs") / f"quickstart-{stamp}"
     run_dir.mkdir(parents=True, exist_ok=True)
