@@ -63,6 +63,7 @@ class Generator:
     _engine: Engine | None
     _sync: WeightSync | None
     _task: Task | None
+    _prompts: PromptQueue | None
     _held: list[PromptEntry]
     _started_at: float
     _abort_event: asyncio.Event
@@ -81,6 +82,7 @@ class Generator:
         self._engine = None
         self._sync = None
         self._task = None
+        self._prompts = None
         self._held = []
         self._started_at = time.time()
 
@@ -90,6 +92,7 @@ class Generator:
         assert cfg.run.redis_url and cfg.run.nats_url, "URLs are resolved by the entry point"
         self._task = build_task(cfg.task)
         self._redis = aioredis.Redis.from_url(cfg.run.redis_url)
+        self._prompts = PromptQueue(self._redis, names, cfg.prompts)
         self._control = await ControlPlane(cfg.run.nats_url, name=cfg.generator_id, cfg=cfg.control).connect()
         await self._control.subscribe(names.control_subject, self._on_control, kinds=(Control,))
         self._engine = await asyncio.to_thread(build_engine, cfg)
@@ -113,9 +116,9 @@ class Generator:
 
     async def close(self) -> None:
         self.state = "stopping"
-        if self._held and self._redis is not None:
+        if self._held and self._prompts is not None:
             with contextlib.suppress(Exception):
-                await PromptQueue(self._redis, self.cfg.run.names, self.cfg.prompts).release(self._held)
+                await self._prompts.release(self._held)
                 log.info("released %d prompts to other generators", len(self._held))
             self._held = []
         if self._control is not None:
@@ -182,19 +185,17 @@ class Generator:
             last_tokens, last_t = self.num_tokens, now
             try:
                 await self._control.publish(subject, self._heartbeat(rate))
-                if self._held and self._redis is not None:  # still working on them: nobody may reclaim them
-                    await PromptQueue(self._redis, self.cfg.run.names, self.cfg.prompts).touch(
-                        self.cfg.generator_id, self._held
-                    )
+                if self._held and self._prompts is not None:  # still working on them: nobody may reclaim them
+                    await self._prompts.touch(self.cfg.generator_id, self._held)
             except Exception as exc:  # retry boundary: NATS reconnects by itself, Redis is retried next beat
                 log.warning("heartbeat failed: %r", exc)
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
 
     # ------------------------------------------------------------------ work
     async def _work_loop(self) -> None:
-        assert self._redis is not None and self._engine is not None
+        assert self._redis is not None and self._engine is not None and self._prompts is not None
         cfg = self.cfg
-        prompts = PromptQueue(self._redis, cfg.run.names, cfg.prompts)
+        prompts = self._prompts
         writer = RolloutWriter(self._redis, cfg.run.names, cfg.rollouts)
         while not self.stop_event.is_set():
             if not self.resume_event.is_set():
