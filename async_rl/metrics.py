@@ -31,6 +31,24 @@ class MetricsConfig:
     """Also append every logged step to <run_dir>/metrics.jsonl."""
 
 
+METRICS_FILE = "metrics.jsonl"
+"""Name of the per-step metrics file :class:`MetricsLogger` appends to in the run directory."""
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows :class:`MetricsLogger` wrote under ``run_dir`` (a line cut short by a crash is skipped)."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def _wandb_logged_in() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
@@ -66,7 +84,7 @@ class MetricsLogger:
         self._jsonl = None
         run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.jsonl:
-            self._jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
+            self._jsonl = (run_dir / METRICS_FILE).open("a", buffering=1)
         mode = resolve_wandb_mode(cfg.wandb_mode)
         if mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")

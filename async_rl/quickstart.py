@@ -145,6 +145,7 @@ async def _run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from async_rl.control import ControlPlane, Heartbeat, LearnerProgress, Message
+    from async_rl.metrics import read_metrics
     from async_rl.names import Names
     from async_rl.servers import ensure_servers
 
@@ -228,7 +229,7 @@ async def _run(args: argparse.Namespace) -> int:
         await plane.close()
         servers.stop()
     wall_s = time.time() - t_start
-    history = _read_metrics(run_dir / "metrics.jsonl")
+    history = read_metrics(run_dir)
     rewards = [(r["time"] - t_start, r["step"], r["reward"]) for r in history if "reward" in r]
     if rewards:
         progress.rewards = rewards
@@ -257,15 +258,3 @@ async def _run(args: argparse.Namespace) -> int:
     console.print(f"[bold {'green' if ok else 'red'}]{'reached' if ok else 'did not reach'} "
                   f"reward {args.target_reward}[/] in {wall_s:.0f}s ({outcome}); curve: {png}")  # fmt: skip
     return 0 if ok else 1
-
-
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out

@@ -280,9 +280,8 @@ class Learner:
             "max_staleness_seen": self._max_staleness_seen, "published_version": self.state.published_version,
             **{f"buffer/{k}": v for k, v in counters.items()},
         }  # fmt: skip
-        for key, value in groups[0].samples[0].reward_info.items() if groups and groups[0].samples else ():
-            vals = [s.reward_info.get(key, 0.0) for g in groups for s in g.samples]
-            metrics[f"reward/{key}"] = float(np.mean(vals)) if vals else float(value)
+        for key in groups[0].samples[0].reward_info:  # every group has samples (the wire format checks it)
+            metrics[f"reward/{key}"] = float(np.mean([s.reward_info.get(key, 0.0) for g in groups for s in g.samples]))
         assert self._metrics is not None and self._control is not None and self._redis is not None
         self._metrics.log(self.state.step, metrics)
         await self._redis.hset(self.cfg.run.names.learner_state,

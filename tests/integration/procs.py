@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from async_rl.metrics import read_metrics
 from async_rl.names import Names
 from async_rl.servers import ServerSet
 
@@ -78,16 +78,7 @@ class Procs:
         return "\n".join(f"--- {n}:\n" + "\n".join(self.log(n).splitlines()[-lines:]) for n in self.procs)
 
     def metrics(self) -> list[dict[str, Any]]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return rows
+        return read_metrics(self.run_dir)
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         proc = self.procs[name]
