@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actors.learner.backend import MicroBatch, TrainSample
+from async_rl.algorithms.batch import MicroBatch, TrainSample
 
 PAD_ID = 0
 """Token id written past each sequence (masked out everywhere, so its value never matters)."""

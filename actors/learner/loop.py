@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from actors.learner.backend import MicroBatch, TrainingBackend, TrainSample
+from actors.learner.backend import TrainingBackend
+from async_rl.algorithms.batch import MicroBatch, TrainSample
 from actors.learner.batching import make_micro_batches
 from actors.learner.checkpoint import CheckpointManager, LearnerState
 from actors.learner.config import LearnerConfig

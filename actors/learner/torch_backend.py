@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from actors.learner.backend import ForwardOutput, LossFn, MicroBatch, StepResult, TrainingBackend
+from actors.learner.backend import TrainingBackend
+from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 from async_rl.hf_moe import find_moe_layers, pack_routes, replay_routes
 

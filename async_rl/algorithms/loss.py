@@ -1,6 +1,6 @@
 """The learner's loss function: policy loss + corrections + KL / entropy, reduced with step-global denominators.
 
-``make_loss_fn(cfg)`` returns a :data:`actors.learner.backend.LossFn`. Per token t of the loss mask:
+``make_loss_fn(cfg)`` returns a :data:`async_rl.algorithms.batch.LossFn`. Per token t of the loss mask:
 
     ℓ_t = w_t · pg_t + kl_coef · KL_t - entropy_coef · H_t,   kept tokens only
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from actors.learner.backend import ForwardOutput, LossFn, MicroBatch
+from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.algorithms.corrections import apply_corrections
 from async_rl.algorithms.kl import kl_penalty

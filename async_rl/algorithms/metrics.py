@@ -5,7 +5,7 @@ Naming convention (what :func:`reduce_metrics` does with each key over the micro
 * ``*_count`` and ``*_sum``: summed;
 * ``*_max`` / ``*_min``: max / min (absent when a micro-batch had no response token);
 * anything else is a mean over the micro-batch's response tokens, averaged weighted by
-  ``loss_tokens_count`` (the token-weighted average of ``actors/learner/backend.py``);
+  ``loss_tokens_count`` (the token-weighted average that backends take, see ``actors/learner/backend.py``);
 * for every ``X_sq_mean`` next to ``X_mean``, the result also gets ``X_std``.
 """
 

@@ -94,7 +94,7 @@ def main() -> int:
     # recorded forward than a repeat of that forward is (0.0 where the layout is deterministic).
     res["free_repeat_max_abs_diff"] = float((free_again - free).abs().max())
     half = len(lengths) // 2
-    from actors.learner.backend import MicroBatch
+    from async_rl.algorithms.batch import MicroBatch
 
     def part(sl: slice) -> MicroBatch:
         return MicroBatch(input_ids=mb.input_ids[sl], attention_mask=mb.attention_mask[sl], loss_mask=mb.loss_mask[sl],

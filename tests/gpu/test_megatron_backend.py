@@ -183,7 +183,7 @@ def test_backward_replay_with_recompute_matches_no_recompute_and_torch() -> None
 
 
 def _split(mb, parts: int):  # type: ignore[no-untyped-def]
-    from actors.learner.backend import MicroBatch
+    from async_rl.algorithms.batch import MicroBatch
 
     out = []
     for rows in np.array_split(np.arange(mb.num_sequences), parts):

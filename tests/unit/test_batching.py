@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.learner.backend import TrainSample
+from async_rl.algorithms.batch import TrainSample
 from actors.learner.batching import BatchingConfig, collate, make_micro_batches
 
 

@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.learner.backend import ForwardOutput, LossFn, MicroBatch, StepResult, TrainingBackend
+from actors.learner.backend import TrainingBackend
+from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from actors.learner.megatron import replay
 from actors.learner.megatron.config import MegatronConfig
 from actors.learner.megatron.convert import (

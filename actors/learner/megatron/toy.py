@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from actors.learner.backend import ForwardOutput, MicroBatch
+from async_rl.algorithms.batch import ForwardOutput, MicroBatch
 from async_rl.hf_moe import record_routes
 
 

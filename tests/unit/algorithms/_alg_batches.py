@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.learner.backend import MicroBatch
+from async_rl.algorithms.batch import MicroBatch
 
 
 def micro_batch(
