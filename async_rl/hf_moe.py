@@ -82,17 +82,6 @@ def _router_normalises(router: nn.Module) -> bool:
     return True if flag is None else bool(flag)
 
 
-def route_dtype(num_experts: int) -> np.dtype:
-    """Smallest integer dtype that holds expert ids ``< num_experts`` (uint8 up to 256 experts, else int16)."""
-    if num_experts <= 0:
-        raise ValueError(f"num_experts must be > 0, got {num_experts}")
-    if num_experts <= 256:
-        return np.dtype(np.uint8)
-    if num_experts <= 32768:
-        return np.dtype(np.int16)
-    return np.dtype(np.int32)
-
-
 class _Hooks:
     """Owns the hook handles of one context; removes them on exit."""
 

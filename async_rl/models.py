@@ -36,6 +36,7 @@ from transformers import (
 )
 
 from async_rl import tokenizer as toy_tok
+from async_rl.moe import moe_facts
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Accepted ``dtype`` names."""
@@ -219,18 +220,8 @@ def save_pretrained_dir(
 
 
 def num_moe_layers(config: PretrainedConfig) -> int:
-    """How many layers of a transformers config are MoE layers (0 for dense models)."""
-    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
-    if not num_experts:
-        return 0
-    sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
-    mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
-    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
-    return sum(
-        1
-        for i in range(config.num_hidden_layers)
-        if i not in mlp_only and (i + 1) % sparse_step == 0 and i >= first_dense
-    )
+    """How many layers of a transformers config are MoE layers (0 for dense models); see :mod:`async_rl.moe`."""
+    return moe_facts(config).num_moe_layers
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:

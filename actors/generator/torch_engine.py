@@ -42,8 +42,9 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.param_slots import ParamSlots
 from actors.generator.sampling import sample_tokens
-from async_rl.hf_moe import RouteRecorder, find_moe_layers, route_dtype
+from async_rl.hf_moe import RouteRecorder, find_moe_layers
 from async_rl.models import ModelConfig, load_model
+from async_rl.moe import route_dtype
 
 log = logging.getLogger(__name__)
 
@@ -480,7 +481,7 @@ class TorchEngine(Engine):
         stopped = torch.zeros(num_rows, dtype=torch.bool, device=dev)
         routes = self._route_layers > 0
         if routes:
-            rdt = torch.uint8 if self._num_experts <= 256 else torch.int16
+            rdt = getattr(torch, route_dtype(self._num_experts).name)
             resp_routes = torch.zeros((num_rows, max_new, self._route_layers, self._top_k), dtype=rdt, device=dev)
 
         model, version = self._step_model()

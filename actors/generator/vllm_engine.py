@@ -51,6 +51,7 @@ import torch
 
 from actors.generator.engine import Completion, Engine, SamplingParams
 from async_rl.models import ModelConfig, is_preset, load_model_config, save_pretrained_dir
+from async_rl.moe import moe_facts
 
 log = logging.getLogger(__name__)
 
@@ -128,18 +129,6 @@ class _ModelFacts:
     head_dim: int
 
 
-def _moe_layer_ids(config: Any) -> tuple[int, ...]:
-    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
-    if not num_experts:
-        return ()
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    dense = set(getattr(config, "mlp_only_layers", None) or [])
-    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
-    return tuple(
-        i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0 and i >= first_dense
-    )
-
-
 def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
 
@@ -157,17 +146,16 @@ def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
 def _model_facts(directory: Path) -> _ModelFacts:
     cfg = load_model_config(directory)
     text = getattr(cfg, "text_config", None) or cfg
-    moe = _moe_layer_ids(text)
-    num_experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+    moe = moe_facts(text)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     return _ModelFacts(
         directory=directory,
         shapes=_checkpoint_shapes(directory),
         vocab_size=int(text.vocab_size),
         max_positions=int(getattr(text, "max_position_embeddings", 0) or 0),
-        moe_layer_ids=moe,
-        num_experts=num_experts if moe else 0,
-        top_k=int(getattr(text, "num_experts_per_tok", 0) or 0) if moe else 0,
+        moe_layer_ids=moe.moe_layer_ids,
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
         head_dim=head_dim,
     )
 

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from async_rl.moe import route_dtype
+
 ROUTE_CHUNK_TOKENS = 256
 """Per-request route buffers grow in steps of this many positions (a few KB each for small models)."""
 
@@ -140,7 +142,7 @@ class ArlWorkerExtension:
         self._arl_staged: tuple[list[tuple[str, torch.Tensor]], int] | None = None
         self._arl_routes: _RouteCapture | None = None
         if capture_routes:
-            dtype = np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.int16)
+            dtype = route_dtype(num_experts)
             self._arl_routes = _RouteCapture(self.model_runner, model, dtype)  # type: ignore[attr-defined]
             return {"num_layers": self._arl_routes.num_layers, "top_k": self._arl_routes.top_k}
         return {"num_layers": 0, "top_k": 0}

@@ -27,11 +27,11 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from actors.learner.backend import TrainingBackend
-from async_rl.algorithms.batch import MicroBatch, TrainSample
 from actors.learner.batching import make_micro_batches
 from actors.learner.checkpoint import CheckpointManager, LearnerState
 from actors.learner.config import LearnerConfig
 from async_rl.algorithms import broadcast_to_tokens, compute_advantages, make_loss_fn
+from async_rl.algorithms.batch import MicroBatch, TrainSample
 from async_rl.configurable import to_dict
 from async_rl.control import ControlPlane, LearnerProgress
 from async_rl.metrics import MetricsLogger

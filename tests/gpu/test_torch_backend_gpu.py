@@ -10,9 +10,9 @@ import torch
 
 from actors.generator.engine import SamplingParams
 from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
-from async_rl.algorithms.batch import ForwardOutput, MicroBatch, TrainSample
 from actors.learner.batching import BatchingConfig, collate, make_micro_batches
 from actors.learner.torch_backend import TorchBackend, TorchBackendConfig
+from async_rl.algorithms.batch import ForwardOutput, MicroBatch, TrainSample
 from async_rl.models import ModelConfig, build_model, small_moe_config
 
 pytestmark = pytest.mark.gpu

@@ -17,9 +17,9 @@ import torch
 
 from actors.generator.engine import SamplingParams
 from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
-from async_rl.algorithms.batch import TrainSample
 from actors.learner.batching import collate
 from actors.learner.torch_backend import TorchBackend, TorchBackendConfig
+from async_rl.algorithms.batch import TrainSample
 from async_rl.hf_moe import record_routes
 from async_rl.models import ModelConfig, build_model, small_moe_config
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from async_rl.algorithms.batch import TrainSample
 from actors.learner.batching import BatchingConfig, collate, make_micro_batches
+from async_rl.algorithms.batch import TrainSample
 
 
 def _sample(prompt_len: int, resp_len: int, seed: int, routes: bool = False) -> TrainSample:

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from actors.learner.backend import TrainingBackend
-from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from actors.learner.megatron import replay
 from actors.learner.megatron.config import MegatronConfig
 from actors.learner.megatron.convert import (
@@ -61,6 +60,7 @@ from actors.learner.megatron.routes import (
     scatter_recorded,
 )
 from actors.learner.megatron.spec import decoder_block_spec
+from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from async_rl.moe import moe_facts
+
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3", "qwen2")
 
 
@@ -107,15 +109,13 @@ class ModelArch:
             rms_eps=float(cfg.rms_norm_eps), max_position_embeddings=int(cfg.max_position_embeddings),
         )  # fmt: skip
         if mt == "mixtral":
-            return cls(**common, moe_layers=(True,) * n, num_experts=int(cfg.num_local_experts),
+            return cls(**common, moe_layers=moe_facts(cfg).moe_mask, num_experts=int(cfg.num_local_experts),
                        top_k=int(cfg.num_experts_per_tok), moe_ffn_hidden_size=int(cfg.intermediate_size),
                        norm_topk_prob=True)  # fmt: skip
         if mt in ("qwen3", "qwen2"):
             return cls(**common, moe_layers=(False,) * n)
-        mlp_only = set(getattr(cfg, "mlp_only_layers", []) or [])
-        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
         experts = int(cfg.num_experts)
-        moe = tuple(i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(n))
+        moe = moe_facts(cfg).moe_mask
         shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0
         return cls(**common, moe_layers=moe, num_experts=experts, top_k=int(cfg.num_experts_per_tok),
                    moe_ffn_hidden_size=int(cfg.moe_intermediate_size), norm_topk_prob=bool(cfg.norm_topk_prob),

@@ -6,8 +6,8 @@ import pytest
 import torch
 from _alg_batches import micro_batch
 
-from async_rl.algorithms.batch import ForwardOutput
 from async_rl.algorithms import make_loss_fn
+from async_rl.algorithms.batch import ForwardOutput
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.configurable import from_dict
 

@@ -9,8 +9,8 @@ from _alg_batches import micro_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from async_rl.algorithms.batch import ForwardOutput
 from async_rl.algorithms import AlgorithmConfig, CorrectionConfig, LossConfig, apply_corrections, make_loss_fn
+from async_rl.algorithms.batch import ForwardOutput
 from async_rl.algorithms.metrics import to_floats
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
