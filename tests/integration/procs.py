@@ -47,7 +47,7 @@ class Procs:
 
     def start(self, name: str, role: str, args: list[str]) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, "-m", "async_rl.cli", role, *self._common(), *args]
+        cmd = [sys.executable, "-m", "actors.commands.cli", role, *self._common(), *args]
         log = (self.run_dir / f"{name}.log").open("ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self.procs[name] = proc

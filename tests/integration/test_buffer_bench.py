@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from async_rl.bench.buffer import decode_b64json, decode_json, encode_b64json, encode_json, make_group
-from async_rl.cli import main as cli_main
+from actors.commands.bench.buffer import decode_b64json, decode_json, encode_b64json, encode_json, make_group
+from actors.commands.cli import main as cli_main
 
 KEYS = ("group_bytes", "ours_gbps", "raw_gbps", "json_gbps", "b64json_gbps", "ratio_vs_raw", "speedup_vs_json",
         "speedup_vs_b64json", "groups_per_s")  # fmt: skip

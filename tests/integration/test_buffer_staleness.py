@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from async_rl.bench.buffer import make_group
+from actors.commands.bench.buffer import make_group
 from async_rl.configurable import ConfigError, from_dict
 from buffer.prompts import PromptQueue
 from buffer.rollouts import RolloutReader, RolloutWriter

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from async_rl.bench.buffer import make_group
+from actors.commands.bench.buffer import make_group
 from async_rl.wire import PromptSpec, decode_group, encode_group
 from buffer.dead_letters import DeadLetters
 from buffer.prompts import PromptQueue, PromptQueueConfig

@@ -7,10 +7,10 @@ import json
 
 import numpy as np
 
+from actors.commands.status import main as status_main
 from async_rl.control import ControlPlane, Heartbeat
 from async_rl.names import Names
 from async_rl.servers import ServerSet
-from async_rl.status import main as status_main
 from async_rl.wire import PromptSpec
 from buffer.prompts import PromptQueue
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.bench.weights import main
+from actors.commands.bench.weights import main
 from async_rl.servers import ServerSet
 
 

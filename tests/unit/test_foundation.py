@@ -78,6 +78,6 @@ def test_embedded_servers_start_and_stop() -> None:
 
 
 def test_cli_help_is_light() -> None:
-    out = subprocess.run([sys.executable, "-c", "import sys, async_rl.cli; print('torch' in sys.modules)"],
+    out = subprocess.run([sys.executable, "-c", "import sys, actors.commands.cli; print('torch' in sys.modules)"],
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == "False"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from async_rl.quickstart import main, parse_args, plot_rewards
+from actors.commands.quickstart import main, parse_args, plot_rewards
 
 
 def test_bad_override_fails_before_anything_starts(capsys) -> None:

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from actors.commands.bench.backends import model_flops_per_token, peak_flops
 from actors.learner.megatron.config import MegatronConfig
-from async_rl.bench.backends import model_flops_per_token, peak_flops
 
 
 def test_defaults_valid_and_layout_sizes() -> None:

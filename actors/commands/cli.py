@@ -11,15 +11,15 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("async_rl.quickstart:main", "run the whole system on this machine on a tiny MoE and a toy task"),
+    "quickstart": ("actors.commands.quickstart:main", "run the whole system on this machine on a tiny MoE and a toy task"),
     "learner": ("actors.learner.main:main", "train on the rollout stream and publish weights"),
     "generator": ("actors.generator.main:main", "turn prompts into scored groups (start any number, any time)"),
-    "status": ("async_rl.status:main", "live view of generators, streams, versions and staleness"),
+    "status": ("actors.commands.status:main", "live view of generators, streams, versions and staleness"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "buffer": ("async_rl.bench.buffer:main", "rollout-stream throughput vs raw bytes and JSON encodings"),
-    "weights": ("async_rl.bench.weights:main", "weight publish / fetch / swap-pause through the transport"),
-    "backends": ("async_rl.bench.backends:main", "learner backend tokens/s and MFU (Megatron vs torch, GPU)"),
+    "buffer": ("actors.commands.bench.buffer:main", "rollout-stream throughput vs raw bytes and JSON encodings"),
+    "weights": ("actors.commands.bench.weights:main", "weight publish / fetch / swap-pause through the transport"),
+    "backends": ("actors.commands.bench.backends:main", "learner backend tokens/s and MFU (Megatron vs torch, GPU)"),
 }
 
 

@@ -163,7 +163,7 @@ async def _run(args: argparse.Namespace) -> int:
     servers = ensure_servers(args.redis_url, args.nats_url)
     console.print(f"[bold]async-rl quickstart[/] run dir {run_dir}  redis {servers.redis_url}  nats {servers.nats_url}")
     common = [f"run.prefix={prefix}", f"run.redis_url={servers.redis_url}", f"run.nats_url={servers.nats_url}"]
-    cli = [sys.executable, "-m", "async_rl.cli"]
+    cli = [sys.executable, "-m", "actors.commands.cli"]
     learner_cmd = [*cli, "learner", *common, f"run.run_dir={run_dir}", *DEFAULT_LEARNER,
                    f"max_steps={args.max_steps}", f"target_reward={args.target_reward}", *args.learner]  # fmt: skip
     progress = Progress()
