@@ -9,6 +9,7 @@ rejected, values are coerced to the field's type, and the error names the dotted
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import tomllib
 import types
@@ -104,7 +105,9 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f" in {path}" if path else ""
-        raise ConfigError(f"unknown config key(s){where}: {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+        guesses = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, fields, n=1)) else k
+                   for k in unknown]  # fmt: skip
+        raise ConfigError(f"unknown config key(s){where}: {', '.join(guesses)}; known: {', '.join(sorted(fields))}")
     kwargs = {}
     for name, value in data.items():
         dotted = f"{path}.{name}" if path else name

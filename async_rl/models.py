@@ -19,7 +19,6 @@ preset as such a directory, so that vLLM and transformers can load it offline.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from transformers import (
 )
 
 from async_rl import tokenizer as toy_tok
+from async_rl.model_config import DTYPE_NAMES, PRESET_NAMES, ModelConfig  # noqa: F401 - ModelConfig re-exported
 from async_rl.moe import moe_facts
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,28 +107,7 @@ PRESETS: dict[str, Callable[..., PretrainedConfig]] = {
     "small-moe": small_moe_config,
 }
 """Preset name -> config factory."""
-
-
-@dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    """Which model to run: a preset name or a local Hugging Face directory."""
-
-    name: str = "tiny-moe"
-    """A preset (``tiny-moe``, ``tiny-dense``, ``small-moe``) or the path of a local HF model directory."""
-    seed: int = 0
-    """Initialisation seed of a preset's random weights (ignored for directories)."""
-    dtype: str = "float32"
-    """Parameter dtype: float32, bfloat16 or float16."""
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("model.name must be a preset or a model directory")
-        if self.name not in PRESETS and not Path(self.name).is_dir():
-            raise ValueError(
-                f"model.name {self.name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory"
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+assert tuple(PRESETS) == PRESET_NAMES and tuple(DTYPES) == DTYPE_NAMES, "async_rl/model_config.py names them"
 
 
 def is_preset(name: str) -> bool:

@@ -9,9 +9,10 @@ It adds no special tokens by itself: tasks put ``<bos>`` in front of their promp
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -28,6 +29,10 @@ MODEL_MAX_LENGTH = 256
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The char-level tokenizer (same ids every time)."""
+    # Imported here: encode/decode serve the tasks' configs and scorers, which must not pay for transformers.
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK))
     # One token per character; special tokens are matched whole before this split runs.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

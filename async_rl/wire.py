@@ -16,7 +16,9 @@ Layout of a group record (a msgpack map; short keys because every entry carries 
     ARR = [dtype string ("<i4", "<f4", "|u1", "<i2"), shape, bin]
 
 Both :func:`encode_group` and :func:`decode_group` validate; every problem raises
-:class:`WireError` naming the field (``samples[3].logprobs: ...``).
+:class:`WireError` naming the field (``samples[3].logprobs: ...``). Decoding is bounded: every
+declared size (an array's shape, a run-length's total) is checked against the bytes received
+before anything is allocated from it, and metadata nests at most :data:`MAX_META_DEPTH` deep.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from async_rl.sampling import Sampling
 from async_rl.wire_types import FINISH_REASONS, SCHEMA_VERSION, GroupRecord, Sample
 
 __all__ = [
+    "MAX_META_DEPTH",
     "PROMPT_SCHEMA_VERSION",
     "SCHEMA_VERSION",
     "PromptSpec",
@@ -44,6 +48,9 @@ __all__ = [
 ]
 
 PROMPT_SCHEMA_VERSION = 1
+# Metadata is a few flat fields (task, answer, timings); 32 levels is far beyond any real use and far below the
+# interpreter's recursion limit, so a hostile record nested 100,000 deep is refused before it can recurse.
+MAX_META_DEPTH = 32
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -91,6 +98,7 @@ class _PromptW(msgspec.Struct, forbid_unknown_fields=True):
     pid: str
     ids: _Arr
     meta: dict[str, Any] = {}
+    s: dict[str, Any] | None = None
 
 
 class _Header(msgspec.Struct):
@@ -226,6 +234,20 @@ def _check_meta(meta: Any) -> None:
     for k in meta:
         if not isinstance(k, str):
             raise WireError(f"metadata keys must be strings, got {k!r}")
+    _check_depth(meta, "metadata")
+
+
+def _check_depth(value: Any, path: str) -> None:
+    """Containers nested at most :data:`MAX_META_DEPTH` deep (iterative: deep input cannot recurse here)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_META_DEPTH:
+            raise WireError(f"{path} is nested more than {MAX_META_DEPTH} levels deep")
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values() if isinstance(x, (dict, list, tuple)))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, depth + 1) for x in v if isinstance(x, (dict, list, tuple)))
 
 
 def _check_finish(value: Any, path: str) -> None:
@@ -341,8 +363,11 @@ def _decode_struct(decoder: Any, data: Any, what: str, schema: str, expected: in
         raise WireError(f"malformed {what}: {exc}") from exc
     except (msgspec.DecodeError, ValueError) as exc:  # ValueError: e.g. a string that is not UTF-8
         raise WireError(f"{what} is not valid msgpack: {exc}") from exc
+    except RecursionError as exc:  # msgspec's own guard; the depth check below is the tighter bound
+        raise WireError(f"{what}: metadata is nested more than {MAX_META_DEPTH} levels deep") from exc
     if w.v != expected:
         raise WireError(f"unknown {schema} version {w.v} (this code reads {expected})")
+    _check_depth(w.meta, "metadata")
     return w
 
 
@@ -373,6 +398,10 @@ def decode_group(data: bytes | bytearray | memoryview) -> GroupRecord:
                 raise WireError(f"{path}.versions: runs must be [n, 2] (version, length), got {runs.shape}")
             if runs.size and int(runs[:, 1].min()) < 1:
                 raise WireError(f"{path}.versions: run lengths must be >= 1")
+            # The declared total is checked before np.repeat allocates it (a hostile run of 2**31 tokens).
+            total = int(runs[:, 1].sum(dtype=np.int64))
+            if total != ids.shape[0]:
+                raise WireError(f"{path}.versions: runs cover {total} tokens but response_ids has {ids.shape[0]}")
             ver = np.repeat(runs[:, 0], runs[:, 1])
         routes = None if sw.routes is None else _from_wire(sw.routes, f"{path}.routes", _ROUTE_DTYPES, 3)
         _check_sample_arrays(path, ids, lp, ver, routes, prompt.shape[0], route_lk)
@@ -416,6 +445,8 @@ class PromptSpec:
     """int32 ``[P]`` prompt token ids."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """msgpack-able extras the scorer needs (task name, reference answer...)."""
+    sampling: Sampling | None = None
+    """How to sample this prompt's group (the learner's); None: the generator's own default."""
 
     def encode(self) -> bytes:
         return encode_prompt(self)
@@ -433,7 +464,9 @@ def encode_prompt(spec: PromptSpec) -> bytes:
     _check_meta(spec.metadata)
     ids = _to_wire(spec.prompt_ids, "prompt_ids", (_I32,), 1)
     try:
-        return _ENCODER.encode(_PromptW(v=PROMPT_SCHEMA_VERSION, pid=spec.prompt_id, ids=ids, meta=spec.metadata))
+        sampling = None if spec.sampling is None else spec.sampling.to_wire()
+        return _ENCODER.encode(_PromptW(v=PROMPT_SCHEMA_VERSION, pid=spec.prompt_id, ids=ids, meta=spec.metadata,
+                                        s=sampling))  # fmt: skip
     except (TypeError, ValueError, OverflowError) as exc:
         raise WireError(f"metadata is not msgpack-encodable: {exc}") from exc
 
@@ -442,4 +475,9 @@ def decode_prompt(data: bytes | bytearray | memoryview) -> PromptSpec:
     """Decode and validate a prompt entry; ``prompt_ids`` is a read-only view into ``data``."""
     w = _decode_struct(_PROMPT_DECODER, data, "prompt entry", "prompt schema", PROMPT_SCHEMA_VERSION)
     _check_str(w.pid, "prompt_id")
-    return PromptSpec(prompt_id=w.pid, prompt_ids=_from_wire(w.ids, "prompt_ids", (_I32,), 1), metadata=w.meta)
+    try:
+        sampling = None if w.s is None else Sampling.from_wire(w.s)
+    except ValueError as exc:
+        raise WireError(f"prompt {w.pid!r}: {exc}") from None
+    return PromptSpec(prompt_id=w.pid, prompt_ids=_from_wire(w.ids, "prompt_ids", (_I32,), 1), metadata=w.meta,
+                      sampling=sampling)  # fmt: skip

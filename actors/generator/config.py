@@ -6,45 +6,129 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from actors.generator.torch_engine import TorchEngineConfig
-from actors.generator.vllm_engine import VLLMEngineConfig
-from actors.generator.weight_sync import WeightSyncConfig
 from async_rl.control import ControlPlaneConfig
+from async_rl.model_config import ModelConfig
 from async_rl.run_config import RunConfig
+from async_rl.sampling import Sampling
 from async_rl.tasks.config import TaskConfig
 from async_rl.transport import TransportConfig
+from async_rl.weights.config import ReaderConfig
 from buffer.prompts import PromptQueueConfig
 from buffer.rollouts import RolloutWriterConfig
 
 
 @dataclass(kw_only=True, slots=True)
-class GeneratorSamplingConfig:
-    """Fallback sampling parameters: the learner sends its own with every prompt (metadata ``sampling``), which win."""
+class TorchEngineConfig:
+    """The torch engine: which model, where, how big a batch."""
 
-    temperature: float = 1.0
-    """Softmax temperature (0: greedy). Behaviour logprobs are under the tempered distribution."""
-    top_p: float = 1.0
-    """Nucleus mass (1.0: off)."""
-    top_k: int = 0
-    """Top-k truncation (0: off)."""
-    default_n: int = 8
-    """Samples per prompt when a prompt does not say."""
-    default_max_new_tokens: int = 0
-    """Response budget when a prompt does not say (0: the task's own)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model preset or local HF directory, init seed and dtype."""
+    device: str = "cpu"
+    """torch device: 'cpu', 'cuda' or 'cuda:N'."""
+    max_batch_prompts: int = 64
+    """Prompts the generator should hand over in one generate call (its in-flight bound)."""
+    max_batch_sequences: int = 512
+    """Rows (prompts x n) decoded together; larger calls run in consecutive chunks."""
+    seed: int = 0
+    """Seed of the engine's own sampling stream (used when SamplingParams.seed is None)."""
+    stop_on_eos: bool = True
+    """Also stop on the model's eos token(s), as vLLM does by default."""
+    num_threads: int = 1
+    """torch intra-op threads (process-wide; 0: leave torch's default). One by default: on a shared CPU
+    (learner and generators on 2 cores) two spinning OpenMP threads per process made a decode batch
+    16x slower (6.5 s against 0.4 s at load 8), while one thread loses little on the toy models."""
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("generator.sampling.temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("generator.sampling.top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("generator.sampling.top_k must be >= 0")
-        if self.default_n < 1:
-            raise ValueError("generator.sampling.default_n must be >= 1")
-        if self.default_max_new_tokens < 0:
-            raise ValueError("generator.sampling.default_max_new_tokens must be >= 0")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"engine.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.max_batch_prompts < 1:
+            raise ValueError("engine.max_batch_prompts must be >= 1")
+        if self.max_batch_sequences < 1:
+            raise ValueError("engine.max_batch_sequences must be >= 1")
+        if self.num_threads < 0:
+            raise ValueError("engine.num_threads must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class VLLMEngineConfig:
+    """The vLLM engine: which model, how big a batch, how routes are captured."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model preset (written to a directory for vLLM) or local HF directory, init seed and dtype."""
+    max_batch_prompts: int = 64
+    """Prompts the generator should hand over in one generate call (its in-flight bound)."""
+    max_num_seqs: int = 256
+    """Sequences vLLM schedules together."""
+    max_model_len: int = 0
+    """Longest prompt + response (0: the model's max_position_embeddings)."""
+    kv_cache_mib: int = 0
+    """KV cache size in MiB (0: GPU: from gpu_memory_utilization; CPU: 1024)."""
+    gpu_memory_utilization: float = 0.85
+    """Share of GPU memory vLLM may use (weights, activations, KV cache)."""
+    enforce_eager: bool | None = None
+    """Run without CUDA graphs / torch.compile (None: eager on CPU, graphs on GPU). Route hooks need eager."""
+    routes: Literal["auto", "native", "hooks", "off"] = "auto"
+    """MoE route capture: vLLM's own output (native, CUDA), worker hooks (hooks, eager), none (off); auto picks."""
+    enable_prefix_caching: bool | None = None
+    """Prefix caching (None: on unless routes are captured by hooks, which cannot see cached positions)."""
+    stop_on_eos: bool = True
+    """Also stop on the model's eos token(s) (vLLM's default)."""
+    seed: int = 0
+    """vLLM's global seed (samples without SamplingParams.seed use vLLM's own stream)."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel GPUs per engine."""
+    work_dir: str = ""
+    """Where a preset is written as a HF directory ('' = a temporary directory removed on close)."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Further vLLM ``AsyncEngineArgs`` fields, passed through (names are checked)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_prompts < 1:
+            raise ValueError("engine.max_batch_prompts must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("engine.max_num_seqs must be >= 1")
+        if self.max_model_len < 0:
+            raise ValueError("engine.max_model_len must be >= 0")
+        if self.kv_cache_mib < 0:
+            raise ValueError("engine.kv_cache_mib must be >= 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("engine.gpu_memory_utilization must be in (0, 1]")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("engine.tensor_parallel_size must be >= 1")
+        if self.routes not in ("auto", "native", "hooks", "off"):
+            raise ValueError(f"engine.routes must be auto, native, hooks or off, got {self.routes!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    """How a generator follows the learner's weight versions."""
+
+    poll_interval_s: float = 2.0
+    """Fallback poll of the latest-version key (NATS announcements normally arrive first)."""
+    first_version_timeout_s: float = 600.0
+    """How long start() waits for the learner's first version; 0 starts on the engine's own weights."""
+    apply_timeout_s: float = 120.0
+    """How long start() waits for the engine to apply the first version."""
+    max_backoff_s: float = 10.0
+    """Cap of the backoff between retries after a transient fetch error."""
+    max_retries: int = 8
+    """Transient failures on one version before it is given up (a newer version is still taken)."""
+    reader: ReaderConfig = field(default_factory=ReaderConfig)
+    """Lease and prefetch settings of the reader."""
+
+    def __post_init__(self) -> None:
+        if self.poll_interval_s <= 0:
+            raise ValueError("generator.weight_sync.poll_interval_s must be > 0")
+        if self.first_version_timeout_s < 0:
+            raise ValueError("generator.weight_sync.first_version_timeout_s must be >= 0")
+        if self.apply_timeout_s <= 0:
+            raise ValueError("generator.weight_sync.apply_timeout_s must be > 0")
+        if self.max_backoff_s <= 0:
+            raise ValueError("generator.weight_sync.max_backoff_s must be > 0")
+        if self.max_retries < 1:
+            raise ValueError("generator.weight_sync.max_retries must be >= 1")
 
 
 def default_generator_id() -> str:
@@ -67,8 +151,8 @@ class GeneratorConfig:
     """Settings of the vLLM engine (docs/vllm.md)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """How responses are scored (must match the learner's task)."""
-    sampling: GeneratorSamplingConfig = field(default_factory=GeneratorSamplingConfig)
-    """Sampling knobs."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """Sampling of prompts that carry none (the learner's prompts always carry its own)."""
     prompts: PromptQueueConfig = field(default_factory=PromptQueueConfig)
     """Prompt stream settings (reclaim timeout, poison-prompt limit)."""
     rollouts: RolloutWriterConfig = field(default_factory=RolloutWriterConfig)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -26,6 +27,7 @@ from actors.generator.config import GeneratorConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.weight_sync import WeightSync
 from async_rl.control import Control, ControlPlane, Heartbeat, Message
+from async_rl.sampling import Sampling
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.transport import make_transport
@@ -215,19 +217,19 @@ class Generator:
 
     async def _process(self, entries: list[PromptEntry], prompts: PromptQueue, writer: RolloutWriter) -> None:
         """Generate, score and push every entry, acking each prompt right after its group is pushed."""
-        by_params: dict[tuple[int, int, float, float, int], list[PromptEntry]] = defaultdict(list)
+        by_params: dict[Sampling, list[PromptEntry]] = defaultdict(list)
         for e in entries:
-            by_params[self._params_key(e)].append(e)
-        for (n, max_new, temperature, top_p, top_k), group in by_params.items():
-            params = SamplingParams(n=n, max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k)
+            by_params[self._sampling(e)].append(e)
+        for sp, group in by_params.items():
+            params = SamplingParams(n=sp.n, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
+                                    top_p=sp.top_p, top_k=sp.top_k)  # fmt: skip
             t0 = time.time()
             gen = asyncio.ensure_future(self._generate(group, params))
             abort = asyncio.ensure_future(self._abort_event.wait())
             done, _ = await asyncio.wait({gen, abort}, return_when=asyncio.FIRST_COMPLETED)
             if gen not in done:
                 gen.cancel()
-                with contextlib.suppress(BaseException):
-                    await gen
+                await asyncio.gather(gen, return_exceptions=True)  # its outcome no longer matters
                 return  # held prompts are released by close()
             abort.cancel()
             results = gen.result()
@@ -240,14 +242,11 @@ class Generator:
                 self.num_prompts += 1
                 self.num_tokens += sum(int(c.token_ids.size) for c in completions)
 
-    def _params_key(self, entry: PromptEntry) -> tuple[int, int, float, float, int]:
-        """Sampling parameters of a prompt: the learner's (sent with the prompt) over this generator's defaults."""
+    def _sampling(self, entry: PromptEntry) -> Sampling:
+        """Sampling of a prompt: the learner's (carried in the prompt record), else this generator's own."""
         assert self._task is not None
-        d = self.cfg.sampling
-        sp = entry.spec.metadata.get("sampling") or {}
-        max_new = int(sp.get("max_new_tokens", 0) or d.default_max_new_tokens) or self._task.max_new_tokens
-        return (int(sp.get("n", d.default_n)), max_new, float(sp.get("temperature", d.temperature)),
-                float(sp.get("top_p", d.top_p)), int(sp.get("top_k", d.top_k)))  # fmt: skip
+        sp = entry.spec.sampling or self.cfg.sampling
+        return sp if sp.max_new_tokens else dataclasses.replace(sp, max_new_tokens=self._task.max_new_tokens)
 
     async def _generate(self, group: list[PromptEntry], params: SamplingParams) -> list[list[Completion]]:
         assert self._engine is not None

@@ -33,17 +33,18 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from actors.generator.config import TorchEngineConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.param_slots import ParamSlots
 from actors.generator.sampling import sample_tokens
 from async_rl.hf_moe import RouteRecorder, find_moe_layers
-from async_rl.models import ModelConfig, load_model
+from async_rl.models import load_model
 from async_rl.moe import route_dtype
 
 log = logging.getLogger(__name__)
@@ -51,38 +52,6 @@ log = logging.getLogger(__name__)
 COMPACT_FRACTION = 0.25
 """Compact the batch (and its KV cache) once this share of its rows has finished: a copy of the cache
 costs about one decode step, so compacting on every finished row would cost more than it saves."""
-
-
-@dataclass(kw_only=True, slots=True)
-class TorchEngineConfig:
-    """The torch engine: which model, where, how big a batch."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Model preset or local HF directory, init seed and dtype."""
-    device: str = "cpu"
-    """torch device: 'cpu', 'cuda' or 'cuda:N'."""
-    max_batch_prompts: int = 64
-    """Prompts the generator should hand over in one generate call (its in-flight bound)."""
-    max_batch_sequences: int = 512
-    """Rows (prompts x n) decoded together; larger calls run in consecutive chunks."""
-    seed: int = 0
-    """Seed of the engine's own sampling stream (used when SamplingParams.seed is None)."""
-    stop_on_eos: bool = True
-    """Also stop on the model's eos token(s), as vLLM does by default."""
-    num_threads: int = 1
-    """torch intra-op threads (process-wide; 0: leave torch's default). One by default: on a shared CPU
-    (learner and generators on 2 cores) two spinning OpenMP threads per process made a decode batch
-    16x slower (6.5 s against 0.4 s at load 8), while one thread loses little on the toy models."""
-
-    def __post_init__(self) -> None:
-        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
-            raise ValueError(f"engine.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.max_batch_prompts < 1:
-            raise ValueError("engine.max_batch_prompts must be >= 1")
-        if self.max_batch_sequences < 1:
-            raise ValueError("engine.max_batch_sequences must be >= 1")
-        if self.num_threads < 0:
-            raise ValueError("engine.num_threads must be >= 0")
 
 
 class TorchEngine(Engine):

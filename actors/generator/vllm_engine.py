@@ -42,15 +42,16 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
+from actors.generator.config import VLLMEngineConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
-from async_rl.models import ModelConfig, is_preset, load_model_config, save_pretrained_dir
+from async_rl.models import is_preset, load_model_config, save_pretrained_dir
 from async_rl.moe import moe_facts
 
 log = logging.getLogger(__name__)
@@ -61,56 +62,6 @@ SHM_HEADROOM_BYTES = 64 << 20
 """Free space /dev/shm must keep beyond a weight file (other users of it, the safetensors header)."""
 DEFAULT_CPU_KV_CACHE_MIB = 1024
 """KV cache on CPU when none is configured: vLLM's own CPU sizing reserves 92% of the node's memory."""
-
-
-@dataclass(kw_only=True, slots=True)
-class VLLMEngineConfig:
-    """The vLLM engine: which model, how big a batch, how routes are captured."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Model preset (written to a directory for vLLM) or local HF directory, init seed and dtype."""
-    max_batch_prompts: int = 64
-    """Prompts the generator should hand over in one generate call (its in-flight bound)."""
-    max_num_seqs: int = 256
-    """Sequences vLLM schedules together."""
-    max_model_len: int = 0
-    """Longest prompt + response (0: the model's max_position_embeddings)."""
-    kv_cache_mib: int = 0
-    """KV cache size in MiB (0: GPU: from gpu_memory_utilization; CPU: 1024)."""
-    gpu_memory_utilization: float = 0.85
-    """Share of GPU memory vLLM may use (weights, activations, KV cache)."""
-    enforce_eager: bool | None = None
-    """Run without CUDA graphs / torch.compile (None: eager on CPU, graphs on GPU). Route hooks need eager."""
-    routes: Literal["auto", "native", "hooks", "off"] = "auto"
-    """MoE route capture: vLLM's own output (native, CUDA), worker hooks (hooks, eager), none (off); auto picks."""
-    enable_prefix_caching: bool | None = None
-    """Prefix caching (None: on unless routes are captured by hooks, which cannot see cached positions)."""
-    stop_on_eos: bool = True
-    """Also stop on the model's eos token(s) (vLLM's default)."""
-    seed: int = 0
-    """vLLM's global seed (samples without SamplingParams.seed use vLLM's own stream)."""
-    tensor_parallel_size: int = 1
-    """Tensor-parallel GPUs per engine."""
-    work_dir: str = ""
-    """Where a preset is written as a HF directory ('' = a temporary directory removed on close)."""
-    engine_args: dict[str, Any] = field(default_factory=dict)
-    """Further vLLM ``AsyncEngineArgs`` fields, passed through (names are checked)."""
-
-    def __post_init__(self) -> None:
-        if self.max_batch_prompts < 1:
-            raise ValueError("engine.max_batch_prompts must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("engine.max_num_seqs must be >= 1")
-        if self.max_model_len < 0:
-            raise ValueError("engine.max_model_len must be >= 0")
-        if self.kv_cache_mib < 0:
-            raise ValueError("engine.kv_cache_mib must be >= 0")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("engine.gpu_memory_utilization must be in (0, 1]")
-        if self.tensor_parallel_size < 1:
-            raise ValueError("engine.tensor_parallel_size must be >= 1")
-        if self.routes not in ("auto", "native", "hooks", "off"):
-            raise ValueError(f"engine.routes must be auto, native, hooks or off, got {self.routes!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,52 +19,22 @@ import contextlib
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
 
+from actors.generator.config import WeightSyncConfig
 from actors.generator.engine import Engine
 from async_rl.control import ControlPlane, Message, WeightsAnnounced
 from async_rl.names import Names
 from async_rl.transport import TransportError
-from async_rl.weights import CorruptVersion, FetchedVersion, ReaderConfig, VersionUnavailable, WeightReader
+from async_rl.weights import CorruptVersion, FetchedVersion, VersionUnavailable, WeightReader
 from async_rl.weights.reader import WeightsError
 
 log = logging.getLogger(__name__)
 
 # Errors that may pass on their own (server restart, network blip): retried with capped backoff.
 TRANSIENT_ERRORS = (RedisError, TransportError, OSError, asyncio.TimeoutError)
-
-
-@dataclass(kw_only=True, slots=True)
-class WeightSyncConfig:
-    """How a generator follows the learner's weight versions."""
-
-    poll_interval_s: float = 2.0
-    """Fallback poll of the latest-version key (NATS announcements normally arrive first)."""
-    first_version_timeout_s: float = 600.0
-    """How long start() waits for the learner's first version; 0 starts on the engine's own weights."""
-    apply_timeout_s: float = 120.0
-    """How long start() waits for the engine to apply the first version."""
-    max_backoff_s: float = 10.0
-    """Cap of the backoff between retries after a transient fetch error."""
-    max_retries: int = 8
-    """Transient failures on one version before it is given up (a newer version is still taken)."""
-    reader: ReaderConfig = field(default_factory=ReaderConfig)
-    """Lease and prefetch settings of the reader."""
-
-    def __post_init__(self) -> None:
-        if self.poll_interval_s <= 0:
-            raise ValueError("generator.weight_sync.poll_interval_s must be > 0")
-        if self.first_version_timeout_s < 0:
-            raise ValueError("generator.weight_sync.first_version_timeout_s must be >= 0")
-        if self.apply_timeout_s <= 0:
-            raise ValueError("generator.weight_sync.apply_timeout_s must be > 0")
-        if self.max_backoff_s <= 0:
-            raise ValueError("generator.weight_sync.max_backoff_s must be > 0")
-        if self.max_retries < 1:
-            raise ValueError("generator.weight_sync.max_retries must be >= 1")
 
 
 class WeightSync:

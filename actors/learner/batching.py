@@ -10,35 +10,15 @@ sequences of the whole step, all data-parallel ranks together) that the loss fun
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from actors.learner.config import BatchingConfig
 from async_rl.algorithms.batch import MicroBatch, TrainSample
 
 PAD_ID = 0
 """Token id written past each sequence (masked out everywhere, so its value never matters)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class BatchingConfig:
-    """How the learner cuts a step batch into micro-batches."""
-
-    micro_batch_tokens: int = 8192
-    """Budget of padded tokens (sequences x longest length) per micro-batch."""
-    max_micro_batch_sequences: int = 0
-    """Cap on sequences per micro-batch (0: no cap)."""
-    sort_by_length: bool = True
-    """Pack sequences of similar length together (less padding); False keeps the given order."""
-
-    def __post_init__(self) -> None:
-        if self.micro_batch_tokens <= 0:
-            raise ValueError(f"learner.batching.micro_batch_tokens must be > 0, got {self.micro_batch_tokens}")
-        if self.max_micro_batch_sequences < 0:
-            raise ValueError(
-                f"learner.batching.max_micro_batch_sequences must be >= 0, got {self.max_micro_batch_sequences}"
-            )
 
 
 def validate_sample(s: TrainSample, where: str = "sample") -> None:

@@ -5,48 +5,92 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from actors.learner.batching import BatchingConfig
 from actors.learner.megatron.config import MegatronConfig
-from actors.learner.torch_backend import TorchBackendConfig
 from async_rl.algorithms import AlgorithmConfig
 from async_rl.control import ControlPlaneConfig
 from async_rl.metrics import MetricsConfig
-from async_rl.models import ModelConfig
+from async_rl.model_config import DTYPE_NAMES, ModelConfig
 from async_rl.run_config import RunConfig
+from async_rl.sampling import Sampling
 from async_rl.tasks.config import TaskConfig
 from async_rl.transport import TransportConfig
-from async_rl.weights import PublisherConfig
+from async_rl.weights.config import PublisherConfig
 from buffer.prompts import PromptQueueConfig
 from buffer.rollouts import RolloutReaderConfig
 from buffer.staleness import StalenessConfig
 
+EXPORT_FORMATS = ("state_dict", "checkpoint")
+"""Weight names of the torch backend's export: ``state_dict``, transformers' in-memory names (fused expert
+tensors); ``checkpoint``, the names ``save_pretrained`` writes and vLLM loads (one tensor per expert)."""
+
 
 @dataclass(kw_only=True, slots=True)
-class SamplingConfig:
-    """How generators sample; sent with every prompt so that every generator of the run uses the same."""
+class BatchingConfig:
+    """How the learner cuts a step batch into micro-batches."""
 
-    n: int = 8
-    """Samples per prompt (the group size of the advantages)."""
-    max_new_tokens: int = 0
-    """Response budget (0: the task's own)."""
-    temperature: float = 1.0
-    """Softmax temperature; the learner divides its logits by the same value so logprobs match."""
-    top_p: float = 1.0
-    """Nucleus mass (1.0: off). With top_p/top_k < off, behaviour logprobs are of the truncated distribution."""
-    top_k: int = 0
-    """Top-k truncation (0: off)."""
+    micro_batch_tokens: int = 8192
+    """Budget of padded tokens (sequences x longest length) per micro-batch."""
+    max_micro_batch_sequences: int = 0
+    """Cap on sequences per micro-batch (0: no cap)."""
+    sort_by_length: bool = True
+    """Pack sequences of similar length together (less padding); False keeps the given order."""
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError("learner.sampling.n must be >= 1")
-        if self.max_new_tokens < 0:
-            raise ValueError("learner.sampling.max_new_tokens must be >= 0")
+        if self.micro_batch_tokens <= 0:
+            raise ValueError(f"learner.batching.micro_batch_tokens must be > 0, got {self.micro_batch_tokens}")
+        if self.max_micro_batch_sequences < 0:
+            raise ValueError(
+                f"learner.batching.max_micro_batch_sequences must be >= 0, got {self.max_micro_batch_sequences}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class TorchBackendConfig:
+    """Optimizer and placement of the torch backend."""
+
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping, the norm is still reported)."""
+    dtype: str = "float32"
+    """Parameter and compute dtype: float32, bfloat16 or float16 (optimizer state follows the parameters)."""
+    device: str = "auto"
+    """``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (the first GPU when there is one, else the CPU)."""
+    seed: int = 0
+    """Torch RNG seed set when the backend is built."""
+    temperature: float = 1.0
+    """Sampling temperature of the generators: logits are divided by it so logprobs match the behaviour ones."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (routes are replayed in the recompute too)."""
+    export_format: str = "state_dict"
+    """Weight names of :meth:`TorchBackend.export_weights`: ``state_dict`` or ``checkpoint``."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"learner.torch.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"learner.torch.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"learner.torch.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"learner.torch.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip < 0:
+            raise ValueError(f"learner.torch.grad_clip must be >= 0, got {self.grad_clip}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"learner.torch.dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"learner.torch.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not self.temperature > 0:
-            raise ValueError("learner.sampling.temperature must be > 0 (greedy rollouts have no policy gradient)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("learner.sampling.top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("learner.sampling.top_k must be >= 0")
+            raise ValueError(f"learner.torch.temperature must be > 0, got {self.temperature}")
+        if self.export_format not in EXPORT_FORMATS:
+            raise ValueError(f"learner.torch.export_format must be one of {list(EXPORT_FORMATS)}")
+
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,8 +129,8 @@ class LearnerConfig:
     """Advantages, policy loss, corrections."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Which prompts to issue (generators score with the same task)."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Sampling parameters sent with every prompt."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """Sampling parameters carried in every prompt record (generators sample with exactly these)."""
     batch_groups: int = 32
     """B: prompt groups per optimizer step."""
     replay_routes: bool = True

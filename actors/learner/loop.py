@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -39,7 +40,6 @@ from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.transport import make_transport
 from async_rl.weights import WeightPublisher
-from async_rl.wire import PromptSpec
 from async_rl.wire_types import GroupRecord
 from buffer.prompts import PromptQueue
 from buffer.rollouts import RolloutEntry, RolloutReader
@@ -199,14 +199,13 @@ class Learner:
         room = await self._prompts.capacity(cfg.staleness.max_staleness - cfg.admission_lag_versions, cfg.batch_groups)
         if room <= 0:
             return 0
-        sampling = {"n": cfg.sampling.n, "max_new_tokens": cfg.sampling.max_new_tokens or self._task.max_new_tokens,
-                    "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
-                    "top_k": cfg.sampling.top_k}  # fmt: skip
+        sampling = dataclasses.replace(cfg.sampling,
+                                       max_new_tokens=cfg.sampling.max_new_tokens or self._task.max_new_tokens)  # fmt: skip
         start = self.state.prompts_issued
         specs = []
         for i in range(start, start + room):
             spec = self._task.prompt(i)
-            specs.append(PromptSpec(spec.prompt_id, spec.prompt_ids, {**spec.metadata, "sampling": sampling}))
+            specs.append(dataclasses.replace(spec, sampling=sampling))
         await self._prompts.issue(specs, self.state.version)
         self.state.prompts_issued = start + room
         return room

@@ -14,13 +14,13 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from actors.learner.backend import TrainingBackend
+from actors.learner.config import TorchBackendConfig
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 from async_rl.hf_moe import find_moe_layers, pack_routes, replay_routes
@@ -28,67 +28,17 @@ from async_rl.hf_moe import find_moe_layers, pack_routes, replay_routes
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Accepted ``dtype`` names."""
 
-EXPORT_FORMATS = ("state_dict", "checkpoint")
-"""``state_dict``: transformers' in-memory names (fused expert tensors); ``checkpoint``: the names
-``save_pretrained`` writes and vLLM loads (one tensor per expert)."""
+
+def resolve_device(device: str) -> torch.device:
+    """``learner.torch.device`` as a torch device (``auto``: the first GPU when there is one, else the CPU)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"learner.torch.device is {device!r} but no CUDA device is available")
+    return torch.device(device)
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
-
-
-@dataclass(kw_only=True, slots=True)
-class TorchBackendConfig:
-    """Optimizer and placement of the torch backend."""
-
-    lr: float = 1e-5
-    """AdamW learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value (0: no clipping, the norm is still reported)."""
-    dtype: str = "float32"
-    """Parameter and compute dtype: float32, bfloat16 or float16 (optimizer state follows the parameters)."""
-    device: str = "auto"
-    """``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (the first GPU when there is one, else the CPU)."""
-    seed: int = 0
-    """Torch RNG seed set when the backend is built."""
-    temperature: float = 1.0
-    """Sampling temperature of the generators: logits are divided by it so logprobs match the behaviour ones."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward (routes are replayed in the recompute too)."""
-    export_format: str = "state_dict"
-    """Weight names of :meth:`TorchBackend.export_weights`: ``state_dict`` or ``checkpoint``."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"learner.torch.lr must be > 0, got {self.lr}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"learner.torch.betas must be two values in [0, 1), got {self.betas}")
-        if not self.eps > 0:
-            raise ValueError(f"learner.torch.eps must be > 0, got {self.eps}")
-        if self.weight_decay < 0:
-            raise ValueError(f"learner.torch.weight_decay must be >= 0, got {self.weight_decay}")
-        if self.grad_clip < 0:
-            raise ValueError(f"learner.torch.grad_clip must be >= 0, got {self.grad_clip}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"learner.torch.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"learner.torch.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"learner.torch.temperature must be > 0, got {self.temperature}")
-        if self.export_format not in EXPORT_FORMATS:
-            raise ValueError(f"learner.torch.export_format must be one of {list(EXPORT_FORMATS)}")
-
-    def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"learner.torch.device is {self.device!r} but no CUDA device is available")
-        return torch.device(self.device)
 
 
 def token_logprobs(
@@ -135,7 +85,7 @@ class TorchBackend(TrainingBackend):
         """``reference_model``: a frozen model for reference logprobs, or True for a frozen copy of ``model``."""
         self.config = config
         torch.manual_seed(config.seed)
-        self.device = config.resolve_device()
+        self.device = resolve_device(config.device)
         dtype = DTYPES[config.dtype]
         self.model = model.to(device=self.device, dtype=dtype)
         self.model.eval()

@@ -15,15 +15,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from async_rl import tokenizer as tt
 from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit
 from async_rl.tasks.toy import response_text
 from async_rl.wire import PromptSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BUILTIN_REWARDS = ("exact_match", "positional")
 """Rewards a JSONL task can name without code; both need an ``"answer"`` field."""

@@ -28,7 +28,8 @@ import torch
 
 from async_rl.control import ControlPlane, WeightsAnnounced
 from async_rl.names import Names
-from async_rl.transport import MAX_BUCKET_BYTES, BucketTransport
+from async_rl.transport import BucketTransport
+from async_rl.weights.config import PublisherConfig
 from async_rl.weights.manifest import CHECKSUMS, BucketEntry, Manifest, default_checksum, pack_bucket, plan_buckets
 
 log = logging.getLogger(__name__)
@@ -51,26 +52,6 @@ if redis.call('ZCARD', KEYS[2]) > 0 then return 0 end
 redis.call('DEL', KEYS[1], KEYS[2])
 return 1
 """
-
-
-@dataclass(kw_only=True, slots=True)
-class PublisherConfig:
-    """How the learner publishes weight versions."""
-
-    bucket_bytes: int = 256 << 20
-    """Target bucket size; a tensor larger than this gets a bucket of its own."""
-    keep_versions: int = 3
-    """Complete versions kept visible; older ones are deleted once no reader holds a lease on them."""
-    checksum: str = ""
-    """Bucket checksum ('xxh3_64' or 'crc32'); empty picks the fastest available (xxh3_64)."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.bucket_bytes <= MAX_BUCKET_BYTES:
-            raise ValueError(f"weights.bucket_bytes must be in (0, {MAX_BUCKET_BYTES}]")
-        if self.keep_versions < 1:
-            raise ValueError("weights.keep_versions must be >= 1")
-        if self.checksum and self.checksum not in CHECKSUMS:
-            raise ValueError(f"weights.checksum must be one of {sorted(CHECKSUMS)}, got {self.checksum!r}")
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ import torch
 
 from async_rl.names import Names
 from async_rl.transport import BucketCorrupt, BucketMissing, BucketTransport
+from async_rl.weights.config import ReaderConfig
 from async_rl.weights.manifest import Manifest, ManifestError, view_tensor
 
 log = logging.getLogger(__name__)
@@ -46,22 +47,6 @@ class VersionUnavailable(WeightsError):
 
 class CorruptVersion(WeightsError):
     """A bucket's bytes do not match the manifest (size or checksum), or the manifest is malformed."""
-
-
-@dataclass(kw_only=True, slots=True)
-class ReaderConfig:
-    """How a generator reads weight versions."""
-
-    lease_ttl_s: float = 60.0
-    """Lease on a version being read, renewed every third of it; the publisher will not delete a leased version."""
-    prefetch_buckets: int = 1
-    """Buckets requested ahead of the one being verified (transfer overlaps the checksum)."""
-
-    def __post_init__(self) -> None:
-        if self.lease_ttl_s <= 0:
-            raise ValueError("weights.reader.lease_ttl_s must be > 0")
-        if self.prefetch_buckets < 0:
-            raise ValueError("weights.reader.prefetch_buckets must be >= 0")
 
 
 @dataclass(slots=True)

@@ -51,10 +51,11 @@ def main() -> int:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    from actors.learner.config import TorchBackendConfig
     from actors.learner.megatron.backend import MegatronBackend
     from actors.learner.megatron.config import MegatronConfig
     from actors.learner.megatron.toy import build_hf, hf_routes, make_batch, nll_loss, toy_config, with_routes
-    from actors.learner.torch_backend import TorchBackend, TorchBackendConfig
+    from actors.learner.torch_backend import TorchBackend
 
     cfg = toy_config(num_layers=args.layers, dense_first=True)
     hf = build_hf(cfg, device="cuda")

@@ -48,7 +48,8 @@ def _backend(hf, **kw):  # type: ignore[no-untyped-def]
 
 
 def _torch_backend(hf, dtype: str = "float32", lr: float = 1e-3):  # type: ignore[no-untyped-def]
-    from actors.learner.torch_backend import TorchBackend, TorchBackendConfig
+    from actors.learner.config import TorchBackendConfig
+    from actors.learner.torch_backend import TorchBackend
 
     return TorchBackend(copy.deepcopy(hf), TorchBackendConfig(dtype=dtype, device="cuda", lr=lr))
 

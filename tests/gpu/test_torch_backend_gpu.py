@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from actors.generator.config import TorchEngineConfig
 from actors.generator.engine import SamplingParams
-from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
-from actors.learner.batching import BatchingConfig, collate, make_micro_batches
-from actors.learner.torch_backend import TorchBackend, TorchBackendConfig
+from actors.generator.torch_engine import TorchEngine
+from actors.learner.batching import collate, make_micro_batches
+from actors.learner.config import BatchingConfig, TorchBackendConfig
+from actors.learner.torch_backend import TorchBackend
 from async_rl.algorithms.batch import ForwardOutput, MicroBatch, TrainSample
 from async_rl.models import ModelConfig, build_model, small_moe_config
 

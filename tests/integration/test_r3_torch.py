@@ -15,10 +15,12 @@ import copy
 import numpy as np
 import torch
 
+from actors.generator.config import TorchEngineConfig
 from actors.generator.engine import SamplingParams
-from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
+from actors.generator.torch_engine import TorchEngine
 from actors.learner.batching import collate
-from actors.learner.torch_backend import TorchBackend, TorchBackendConfig
+from actors.learner.config import TorchBackendConfig
+from actors.learner.torch_backend import TorchBackend
 from async_rl.algorithms.batch import TrainSample
 from async_rl.hf_moe import record_routes
 from async_rl.models import ModelConfig, build_model, small_moe_config

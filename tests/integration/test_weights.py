@@ -116,7 +116,8 @@ _KILLED_PUBLISHER = textwrap.dedent(
     import asyncio, sys, torch, redis.asyncio as aioredis
     from async_rl.names import Names
     from async_rl.transport import RedisTransport
-    from async_rl.weights import PublisherConfig, WeightPublisher
+    from async_rl.weights import WeightPublisher
+    from async_rl.weights.config import PublisherConfig
 
     async def main():
         url, prefix = sys.argv[1], sys.argv[2]
@@ -203,7 +204,7 @@ async def test_keep_last_n_and_leases_protect_readers(
 async def test_expired_lease_does_not_block_pruning(
     redis_client: aioredis.Redis, names: Names, servers: ServerSet
 ) -> None:
-    from async_rl.weights import ReaderConfig
+    from async_rl.weights.config import ReaderConfig
 
     transport = RedisTransport(servers.redis_url, names)
     pub = WeightPublisher(redis_client, transport, names, PublisherConfig(keep_versions=1))

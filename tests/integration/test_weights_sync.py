@@ -9,15 +9,17 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
+from actors.generator.config import TorchEngineConfig, WeightSyncConfig
 from actors.generator.engine import SamplingParams
-from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
-from actors.generator.weight_sync import WeightSync, WeightSyncConfig
+from actors.generator.torch_engine import TorchEngine
+from actors.generator.weight_sync import WeightSync
 from async_rl.control import ControlPlane, WeightsAnnounced
 from async_rl.models import ModelConfig, build_model
 from async_rl.names import Names
 from async_rl.servers import ServerSet
 from async_rl.transport import RedisTransport
-from async_rl.weights import PublisherConfig, WeightPublisher, WeightReader
+from async_rl.weights import WeightPublisher, WeightReader
+from async_rl.weights.config import PublisherConfig
 
 PRESET = "tiny-moe"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.learner.batching import BatchingConfig, collate, make_micro_batches
+from actors.learner.batching import collate, make_micro_batches
+from actors.learner.config import BatchingConfig
 from async_rl.algorithms.batch import TrainSample
 
 

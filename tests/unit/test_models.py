@@ -92,8 +92,9 @@ async def test_tiny_moe_learns_copy_from_scratch():
     """Plain on-policy GRPO through the torch engine (weights swapped in every step) lifts copy reward 0.05 -> >0.3."""
     import numpy as np
 
+    from actors.generator.config import TorchEngineConfig
     from actors.generator.engine import SamplingParams
-    from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
+    from actors.generator.torch_engine import TorchEngine
     from async_rl.tasks import TaskConfig, build_task
 
     task = build_task(TaskConfig(name="copy"))

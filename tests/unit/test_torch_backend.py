@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
-from actors.learner.batching import BatchingConfig, collate, make_micro_batches
-from actors.learner.torch_backend import TorchBackend, TorchBackendConfig, aggregate_metrics
+from actors.learner.batching import collate, make_micro_batches
+from actors.learner.config import BatchingConfig, TorchBackendConfig
+from actors.learner.torch_backend import TorchBackend, aggregate_metrics
 from async_rl.algorithms.batch import ForwardOutput, MicroBatch, TrainSample
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.algorithms.loss import make_loss_fn

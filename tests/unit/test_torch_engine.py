@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
+from actors.generator.config import TorchEngineConfig
 from actors.generator.engine import SamplingParams
 from actors.generator.sampling import sample_tokens
-from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
+from actors.generator.torch_engine import TorchEngine
 from async_rl import tokenizer as tt
 from async_rl.models import build_model, save_pretrained_dir, tiny_moe_config
 

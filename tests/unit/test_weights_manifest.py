@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from async_rl.weights.config import PublisherConfig, ReaderConfig
 from async_rl.weights.manifest import (
     ALIGN_BYTES,
     CHECKSUMS,
@@ -17,8 +18,6 @@ from async_rl.weights.manifest import (
     plan_buckets,
     view_tensor,
 )
-from async_rl.weights.publisher import PublisherConfig
-from async_rl.weights.reader import ReaderConfig
 
 
 def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -18,9 +18,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
+from actors.generator.config import TorchEngineConfig, VLLMEngineConfig
 from actors.generator.engine import Completion, SamplingParams
-from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
-from actors.generator.vllm_engine import VLLMEngine, VLLMEngineConfig
+from actors.generator.torch_engine import TorchEngine
+from actors.generator.vllm_engine import VLLMEngine
 from async_rl.hf_moe import find_moe_layers, record_routes
 from async_rl.models import ModelConfig, build_model, load_model, save_pretrained_dir, small_moe_config, tiny_moe_config
 

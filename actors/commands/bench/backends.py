@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
             del meg
             torch.cuda.empty_cache()
     if "torch" in backends:
-        from actors.learner.torch_backend import TorchBackend, TorchBackendConfig
+        from actors.learner.config import TorchBackendConfig
+        from actors.learner.torch_backend import TorchBackend
 
         for ckpt in (False, True):
             torch.cuda.reset_peak_memory_stats()

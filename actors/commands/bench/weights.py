@@ -84,14 +84,16 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
     import redis
     import redis.asyncio as aioredis
 
+    from actors.generator.config import TorchEngineConfig, WeightSyncConfig
     from actors.generator.engine import SamplingParams
-    from actors.generator.torch_engine import TorchEngine, TorchEngineConfig
-    from actors.generator.weight_sync import WeightSync, WeightSyncConfig
+    from actors.generator.torch_engine import TorchEngine
+    from actors.generator.weight_sync import WeightSync
     from async_rl.control import ControlPlane
     from async_rl.models import ModelConfig, build_model
     from async_rl.names import Names
     from async_rl.transport import RespConnection, TransportConfig, make_transport
-    from async_rl.weights import PublisherConfig, WeightPublisher, WeightReader
+    from async_rl.weights import WeightPublisher, WeightReader
+    from async_rl.weights.config import PublisherConfig
 
     t_build = time.perf_counter()
     mcfg = _moe_config(target_bytes)

@@ -1,0 +1,45 @@
+"""Configs of the weight publisher (learner) and reader (generators); torch-free so configs load fast."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from async_rl.checksums import CHECKSUMS
+from async_rl.transport import MAX_BUCKET_BYTES
+
+
+@dataclass(kw_only=True, slots=True)
+class PublisherConfig:
+    """How the learner publishes weight versions."""
+
+    bucket_bytes: int = 256 << 20
+    """Target bucket size; a tensor larger than this gets a bucket of its own."""
+    keep_versions: int = 3
+    """Complete versions kept visible; older ones are deleted once no reader holds a lease on them."""
+    checksum: str = ""
+    """Bucket checksum ('xxh3_64' or 'crc32'); empty picks the fastest available (xxh3_64)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.bucket_bytes <= MAX_BUCKET_BYTES:
+            raise ValueError(f"weights.bucket_bytes must be in (0, {MAX_BUCKET_BYTES}]")
+        if self.keep_versions < 1:
+            raise ValueError("weights.keep_versions must be >= 1")
+        if self.checksum and self.checksum not in CHECKSUMS:
+            raise ValueError(f"weights.checksum must be one of {sorted(CHECKSUMS)}, got {self.checksum!r}")
+
+
+
+@dataclass(kw_only=True, slots=True)
+class ReaderConfig:
+    """How a generator reads weight versions."""
+
+    lease_ttl_s: float = 60.0
+    """Lease on a version being read, renewed every third of it; the publisher will not delete a leased version."""
+    prefetch_buckets: int = 1
+    """Buckets requested ahead of the one being verified (transfer overlaps the checksum)."""
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_s <= 0:
+            raise ValueError("weights.reader.lease_ttl_s must be > 0")
+        if self.prefetch_buckets < 0:
+            raise ValueError("weights.reader.prefetch_buckets must be >= 0")
