@@ -1,30 +1,32 @@
-"""Off-policy corrections on ρ_t = π_anchor(y_t) / μ(y_t): truncated importance sampling and masks.
+"""Off-policy corrections on ρ_t = π_old(y_t) / μ(y_t), in SkyRL's order and with its semantics.
 
-Everything is computed in log space: a mask compares log ρ_t with log bounds, a TIS weight is
-exp(min(log ρ, log C)), so log ratios of ±100 (or ±1e4 summed over a sequence) never overflow.
-The ratio is detached: corrections re-weight or drop tokens, they never carry gradient.
+Each step works on the mask the steps before it left, so a token or a row already dropped never
+enters a later statistic (a wild log ratio on a dropped token cannot move anything):
 
-Order of application (each step sees the tokens the previous ones kept, for its metrics):
+1. outlier sequence mask, on the loss mask M0: drop a row if any token has ρ_t > outlier_high or
+   ρ_t < outlier_low (either bound alone enables it, the other side unchecked) -> M1;
+2. token mask ("icepop"), on M1: drop tokens with ρ_t outside [token_mask_low, token_mask_high]
+   (inclusive; only with both bounds set) -> M2;
+3. TIS on M2: token weight min(ρ_t, C) (no lower clip), or one row weight min(exp(clamp(Σ_M2 log ρ)), C);
+4. sequence mask on M2: drop a row whose exp(clamp(Σ_M2 log ρ / |M2_row|)) (geometric) or
+   exp(clamp(Σ_M2 log ρ)) (product) is outside its band -> M3, the tokens kept.
 
-1. outlier sequence mask: drop a sequence if any token's ρ_t is outside [outlier_low, outlier_high];
-2. token mask ("icepop"): drop tokens with ρ_t outside [token_mask_low, token_mask_high];
-3. TIS: token weight min(ρ_t, C) or one sequence weight min(Π ρ_t, C);
-4. sequence mask: drop a sequence whose geometric mean (or product) of ρ_t is outside its band.
-
-Sequence statistics (outlier test, Π ρ_t, mean log ρ_t) are taken over the response tokens as
-generated (the loss mask), not over the survivors of the token mask: a sequence is judged whole.
-Masks only ever remove tokens (``keep`` ⊆ ``loss_mask``); TIS weights are in [0, C].
+Per-token ratios are exp(clamp(log ρ, ±20)) compared with the bounds as ratios; sums take the
+unclamped log ratios and clamp only before exp; a row with no token left counts as ratio 1. Row
+metrics are fractions of all the micro-batch's rows (empty ones included), token metrics fractions
+of the tokens the step looked at, all under SkyRL's names (see ``docs/algorithms.md``). The ratio is
+detached: corrections re-weight or drop tokens, they never carry gradient.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from async_rl.algorithms.config import CorrectionConfig
 from async_rl.algorithms.metrics import masked_extremes
+from async_rl.algorithms.policy_losses import LOG_RATIO_CLAMP
 
 
 @dataclass(slots=True)
@@ -36,72 +38,89 @@ class CorrectionResult:
     keep: torch.Tensor
     """bool ``[B, T]``: loss-mask tokens that survived every mask."""
     metrics: dict[str, torch.Tensor]
-    """0-d tensors: ``*_frac`` are fractions of the micro-batch's response tokens, ``*_count`` are counts,
-    ``*_max`` / ``*_min`` are ±inf when the micro-batch has no response token (:func:`to_floats` drops them)."""
+    """0-d tensors named as in ``docs/algorithms.md``: ``*_ratio`` fractions (SkyRL's), ``*_frac`` fractions of
+    the response tokens, ``*_count`` counts; ``*_max`` / ``*_min`` are ±inf when nothing was looked at
+    (:func:`~async_rl.algorithms.metrics.to_floats` drops them)."""
 
 
-def _outside(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    return (log_ratio < math.log(low)) | (log_ratio > math.log(high))
+def _exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _frac(part: torch.Tensor, whole: torch.Tensor | float) -> torch.Tensor:
+    whole_t = whole if isinstance(whole, torch.Tensor) else torch.tensor(whole)
+    return part.sum().to(torch.float64) / whole_t.to(torch.float64).clamp(min=1)
 
 
 def apply_corrections(log_ratio: torch.Tensor, loss_mask: torch.Tensor, cfg: CorrectionConfig) -> CorrectionResult:
-    """Masks and TIS weights from ``log_ratio = log π_anchor - log μ`` (``[B, T]``) on the bool ``loss_mask``."""
+    """Masks and TIS weights from ``log_ratio = log π_old - log μ`` (``[B, T]``) on the bool ``loss_mask``."""
     if log_ratio.shape != loss_mask.shape:
         raise ValueError(f"log_ratio shape {tuple(log_ratio.shape)} != loss_mask shape {tuple(loss_mask.shape)}")
-    mask = loss_mask.bool()
-    lr = torch.where(mask, log_ratio.detach(), torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device))
-    lr = torch.nan_to_num(lr, nan=0.0)  # a NaN can only come from masked-out garbage; masked positions are 0 already
-    num_tokens = mask.sum().clamp(min=1).to(lr.dtype)
-    seq_tokens = mask.sum(dim=-1)
-    seq_log_sum = lr.sum(dim=-1)
-    keep = mask.clone()
+    m0 = loss_mask.bool()
+    zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+    lr = torch.nan_to_num(torch.where(m0, log_ratio.detach(), zero), nan=0.0)  # NaN only ever sits under the mask
+    ratio = _exp(lr)
+    num_rows = float(lr.shape[0]) if lr.dim() else 0.0
+    keep = m0.clone()
     metrics: dict[str, torch.Tensor] = {}
+    if cfg.any_enabled:
+        metrics["correction_rows_count"] = torch.tensor(num_rows, dtype=torch.float64, device=lr.device)
 
-    def dropped_frac(before: torch.Tensor) -> torch.Tensor:
-        return (before & ~keep).sum().to(lr.dtype) / num_tokens
+    if cfg.outlier_enabled:
+        over = m0 & (ratio > cfg.outlier_high) if cfg.outlier_high is not None else torch.zeros_like(m0)
+        under = m0 & (ratio < cfg.outlier_low) if cfg.outlier_low is not None else torch.zeros_like(m0)
+        bad_row = (over | under).any(dim=-1)
+        keep &= ~bad_row.unsqueeze(-1)
+        metrics["outlier_seq_masked_ratio"] = _frac(bad_row, num_rows)
+        metrics["outlier_seq_over_high_ratio"] = _frac(over.any(dim=-1), num_rows)
+        metrics["outlier_seq_under_low_ratio"] = _frac(under.any(dim=-1), num_rows)
+        metrics["outlier_masked_sequences_count"] = bad_row.sum().to(torch.float64)
+        metrics["outlier_masked_frac"] = _frac(m0 & ~keep, m0.sum())
 
-    if cfg.outlier_mask:
-        bad_seq = (mask & _outside(lr, cfg.outlier_low, cfg.outlier_high)).any(dim=-1)
-        before = keep.clone()
-        keep &= ~bad_seq.unsqueeze(-1)
-        metrics["outlier_masked_frac"] = dropped_frac(before)
-        metrics["outlier_masked_sequences_count"] = bad_seq.sum().to(lr.dtype)
-    if cfg.token_mask:
-        before = keep.clone()
-        keep &= ~_outside(lr, cfg.token_mask_low, cfg.token_mask_high)
-        metrics["token_masked_frac"] = dropped_frac(before)
+    if cfg.token_mask_enabled:
+        assert cfg.token_mask_low is not None and cfg.token_mask_high is not None
+        seen = keep.clone()
+        over, under = seen & (ratio > cfg.token_mask_high), seen & (ratio < cfg.token_mask_low)
+        keep &= ~(over | under)
+        metrics["token_mask_ratio"] = _frac(over | under, seen.sum())
+        metrics["token_mask_over_high_ratio"] = _frac(over, seen.sum())
+        metrics["token_mask_under_low_ratio"] = _frac(under, seen.sum())
+        metrics["token_mask_tokens_count"] = seen.sum().to(torch.float64)
+        metrics["token_masked_frac"] = _frac(over | under, m0.sum())
 
-    ones = torch.ones_like(lr)
+    m2 = keep.clone()  # what TIS and the sequence mask look at
+    row_log_sum = torch.where(m2, lr, zero).sum(dim=-1)  # unclamped; clamped only inside _exp
+    weights = torch.ones_like(lr)
     if cfg.tis == "token":
-        log_cap = math.log(cfg.token_tis_cap)
-        weights = torch.clamp(torch.exp(torch.clamp(lr, max=log_cap)), max=cfg.token_tis_cap)  # exp may round up
-        metrics["tis_clipped_frac"] = (mask & (lr > log_cap)).sum().to(lr.dtype) / num_tokens
+        weights = torch.clamp(ratio, max=cfg.token_tis_cap)
+        metrics["tis_token_clip_high_ratio"] = _frac(m2 & (ratio > cfg.token_tis_cap), m2.sum())
     elif cfg.tis == "sequence":
-        log_cap = math.log(cfg.sequence_tis_cap)
-        seq_w = torch.clamp(torch.exp(torch.clamp(seq_log_sum, max=log_cap)), max=cfg.sequence_tis_cap)
-        weights = seq_w.unsqueeze(-1).expand_as(lr)
-        clipped_seq = (seq_log_sum > log_cap) & (seq_tokens > 0)
-        metrics["tis_clipped_frac"] = (mask & clipped_seq.unsqueeze(-1)).sum().to(lr.dtype) / num_tokens
-        metrics["tis_clipped_sequences_count"] = clipped_seq.sum().to(lr.dtype)
-    else:
-        weights = ones
-    weights = torch.where(mask, weights, torch.zeros_like(weights))
+        row_ratio = _exp(row_log_sum)
+        weights = torch.clamp(row_ratio, max=cfg.sequence_tis_cap).unsqueeze(-1).expand_as(lr)
+        metrics["tis_seq_clip_high_ratio"] = _frac(row_ratio > cfg.sequence_tis_cap, num_rows)
+    weights = torch.where(m0, weights, zero)
     if cfg.tis != "off":
-        metrics["tis_weight_mean"] = weights.sum() / num_tokens
-        metrics |= masked_extremes(weights, mask, "tis_weight")
+        metrics["tis_tokens_count"] = m2.sum().to(torch.float64)
+        metrics["tis_weight_mean"] = _frac(torch.where(m2, weights, zero), m2.sum())
+        metrics |= masked_extremes(weights, m2, "tis_weight")
 
     if cfg.sequence_mask != "off":
         if cfg.sequence_mask == "geometric":
-            stat = seq_log_sum / seq_tokens.clamp(min=1).to(lr.dtype)
-            bad_seq = _outside(stat, cfg.geometric_low, cfg.geometric_high)
+            stat = _exp(row_log_sum / m2.sum(dim=-1).clamp(min=1).to(lr.dtype))
+            low, high, name = cfg.geometric_low, cfg.geometric_high, "geo_sequence_mask"
         else:
-            bad_seq = _outside(seq_log_sum, cfg.product_low, cfg.product_high)
-        bad_seq &= seq_tokens > 0
+            stat = _exp(row_log_sum)
+            low, high, name = cfg.product_low, cfg.product_high, "product_sequence_mask"
+        over_row, under_row = stat > high, stat < low
+        bad_row = over_row | under_row
         before = keep.clone()
-        keep &= ~bad_seq.unsqueeze(-1)
-        metrics["sequence_masked_frac"] = dropped_frac(before)
-        metrics["sequence_masked_sequences_count"] = bad_seq.sum().to(lr.dtype)
+        keep &= ~bad_row.unsqueeze(-1)
+        metrics[f"{name}_masked_ratio"] = _frac(bad_row, num_rows)
+        metrics[f"{name}_over_high_ratio"] = _frac(over_row, num_rows)
+        metrics[f"{name}_under_low_ratio"] = _frac(under_row, num_rows)
+        metrics["sequence_masked_sequences_count"] = bad_row.sum().to(torch.float64)
+        metrics["sequence_masked_frac"] = _frac(before & ~keep, m0.sum())
 
     if cfg.any_enabled:
-        metrics["kept_frac"] = keep.sum().to(lr.dtype) / num_tokens
+        metrics["kept_frac"] = _frac(keep, m0.sum())
     return CorrectionResult(weights=weights, keep=keep, metrics=metrics)

@@ -4,9 +4,13 @@ Naming convention (what :func:`reduce_metrics` does with each key over the micro
 
 * ``*_count`` and ``*_sum``: summed;
 * ``*_max`` / ``*_min``: max / min (absent when a micro-batch had no response token);
+* a key of :data:`METRIC_WEIGHTS` is a fraction over its own denominator (rows, or the tokens a correction
+  step looked at, SkyRL's definitions): averaged weighted by that denominator's ``_count`` metric, which
+  makes the step's value the one a single micro-batch holding the whole step would give;
 * anything else is a mean over the micro-batch's response tokens, averaged weighted by
   ``loss_tokens_count`` (the token-weighted average that backends take, see ``actors/learner/backend.py``);
-* for every ``X_sq_mean`` next to ``X_mean``, the result also gets ``X_std``.
+* for every ``X_entries_count`` next to ``X_sum`` and ``X_sq_sum``, ``X_std`` is recomputed exactly (the
+  unbiased std over all entries, SkyRL's ``is_ratio_std``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,19 @@ from async_rl.algorithms.policy_losses import LOG_RATIO_CLAMP
 WEIGHT_KEY = "loss_tokens_count"
 """The metric holding a micro-batch's response-token count: the weight of its means."""
 
+_ROWS = "correction_rows_count"
+METRIC_WEIGHTS: dict[str, str] = {
+    **{f"{mask}_{what}_ratio": _ROWS for mask in ("outlier_seq", "geo_sequence_mask", "product_sequence_mask")
+       for what in ("masked", "over_high", "under_low")},
+    "tis_seq_clip_high_ratio": _ROWS,
+    "token_mask_ratio": "token_mask_tokens_count",
+    "token_mask_over_high_ratio": "token_mask_tokens_count",
+    "token_mask_under_low_ratio": "token_mask_tokens_count",
+    "tis_token_clip_high_ratio": "tis_tokens_count",
+    "tis_weight_mean": "tis_tokens_count",
+}  # fmt: skip
+"""Metrics whose denominator is not the micro-batch's response tokens, and the ``_count`` metric holding it."""
+
 
 def masked_extremes(x: torch.Tensor, mask: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
     """``{name}_max`` / ``{name}_min`` of ``x`` over ``mask`` without a host sync (±inf when the mask is empty,
@@ -32,19 +49,30 @@ def masked_extremes(x: torch.Tensor, mask: torch.Tensor, name: str) -> dict[str,
 
 
 def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, prefix: str = "is_ratio") -> dict[str, torch.Tensor]:
-    """ρ = exp(log_ratio) mean / mean square / max / min and |log ρ| mean / max over ``mask`` (0-d tensors)."""
+    """Statistics of ρ = exp(clamp(log_ratio, ±20)), as SkyRL reports them (0-d tensors).
+
+    ``{prefix}_mean`` over the tokens of ``mask``; ``{prefix}_std`` (unbiased), ``_max``, ``_min`` over *all*
+    ``[B, T]`` entries with the masked ones as 0 (so ``_min`` is 0 as soon as one entry is masked);
+    ``{prefix}_sum``, ``{prefix}_sq_sum``, ``{prefix}_entries_count`` let :func:`reduce_metrics` recompute the std
+    of a whole step; ``abs_log_ratio_mean`` / ``_max`` (this project's) over ``mask``, unclamped.
+    """
     m = mask.bool()
-    lr = torch.where(m, log_ratio.detach(), torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device))
+    zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+    lr = torch.nan_to_num(torch.where(m, log_ratio.detach(), zero), nan=0.0)
+    ratio = torch.where(m, torch.exp(torch.clamp(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), zero)
     n = m.sum().clamp(min=1).to(lr.dtype)
-    ratio = torch.where(m, torch.exp(torch.clamp(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), torch.zeros_like(lr))
     abs_lr = lr.abs()
     out = {
         f"{prefix}_mean": ratio.sum() / n,
-        f"{prefix}_sq_mean": ratio.square().sum() / n,
+        f"{prefix}_sum": ratio.sum(),
+        f"{prefix}_sq_sum": ratio.square().sum(),
+        f"{prefix}_entries_count": torch.tensor(float(ratio.numel()), dtype=torch.float64, device=lr.device),
         "abs_log_ratio_mean": abs_lr.sum() / n,
     }
-    out |= masked_extremes(ratio, m, prefix)
-    if abs_lr.numel():
+    if ratio.numel():
+        out[f"{prefix}_std"] = ratio.std() if ratio.numel() > 1 else zero
+        out[f"{prefix}_max"] = ratio.max()
+        out[f"{prefix}_min"] = ratio.min()
         out["abs_log_ratio_max"] = abs_lr.max()  # 0 outside the mask, and |log ρ| >= 0
     return out
 
@@ -108,7 +136,6 @@ def reduce_metrics(per_micro_batch: Iterable[Mapping[str, float]]) -> dict[str, 
     weights: dict[str, float] = {}
     extremes: dict[str, float] = {}
     for m in per_micro_batch:
-        w = float(m.get(WEIGHT_KEY, 1.0))
         for k, v in m.items():
             v = float(v)
             if k.endswith("_count") or k.endswith("_sum"):
@@ -118,6 +145,7 @@ def reduce_metrics(per_micro_batch: Iterable[Mapping[str, float]]) -> dict[str, 
             elif k.endswith("_min"):
                 extremes[k] = min(extremes.get(k, v), v)
             else:
+                w = float(m.get(METRIC_WEIGHTS.get(k, WEIGHT_KEY), 1.0))
                 sums[k] = sums.get(k, 0.0) + w * v
                 weights[k] = weights.get(k, 0.0) + w
     out = {k: (v / weights[k] if weights[k] > 0 else 0.0) if k in weights else v for k, v in sums.items()}
@@ -127,4 +155,9 @@ def reduce_metrics(per_micro_batch: Iterable[Mapping[str, float]]) -> dict[str, 
             base = k[: -len("_sq_mean")]
             if f"{base}_mean" in out:
                 out[f"{base}_std"] = max(out[k] - out[f"{base}_mean"] ** 2, 0.0) ** 0.5
+        elif k.endswith("_entries_count"):
+            base = k[: -len("_entries_count")]
+            n, total, sq = out[k], out.get(f"{base}_sum"), out.get(f"{base}_sq_sum")
+            if total is not None and sq is not None:
+                out[f"{base}_std"] = (max(sq - total * total / n, 0.0) / (n - 1)) ** 0.5 if n > 1 else 0.0
     return out

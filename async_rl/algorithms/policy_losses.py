@@ -1,9 +1,12 @@
-"""Per-token policy losses on ``[B, T]`` tensors: PPO clip (with dual clip) and the rollout-anchored IS loss.
+"""Per-token policy losses on ``[B, T]`` tensors, SkyRL's semantics: PPO clip (dual clip), ``rollout_is``, CISPO.
 
 Each function returns the per-token loss (0 outside the mask; reduce it with
 :func:`async_rl.algorithms.reductions.reduce_loss`) and bool ``[B, T]`` tensors marking clipped
-tokens. Inputs outside the mask are ignored, whatever they hold (NaN and inf included): they are
-replaced by 0 before any arithmetic, so neither the loss nor the gradient sees them.
+tokens. Ratios are exp(log π_θ - log π_anchor) with the log ratio clamped to ±20 (SkyRL's
+``safe_exp_delta``). The IS-weighted losses (``rollout_is``, CISPO) have SkyRL's value
+-sg(w) · A · log π_θ, whose gradient is -w · A · ∇log π_θ. Inputs outside the mask are ignored,
+whatever they hold (NaN and inf included): they are replaced by 0 before any arithmetic, so neither
+the loss nor the gradient sees them.
 """
 
 from __future__ import annotations
@@ -58,23 +61,45 @@ def rollout_is_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    low: float,
-    high: float,
+    clip_eps_low: float,
+    clip_eps_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rollout-anchored IS policy gradient (CISPO-style): loss_t = -sg(clip(π_θ/μ, low, high)) · A · π_θ/sg(π_θ).
+    """SkyRL's ``rollout_is`` (GLM-5's loss): loss_t = -sg(ρ · 1[1 - eps_low < ρ < 1 + eps_high]) · A · log π_θ.
 
-    The weight is the detached ratio to the behaviour policy μ, truncated to [low, high]; the
-    gradient is weight · A · ∇log π_θ on *every* token (clipping bounds the weight, it never
-    silences a token as PPO clipping does). The value of the per-token loss is -weight · A.
-    Needs no recomputed π_old, so it stays meaningful when each batch gets one optimizer step.
-    Returns ``(loss, clipped)``; ``clipped`` marks tokens whose ratio was outside [low, high].
+    ρ = π_θ/μ against the behaviour policy μ; outside the open band the weight is exactly 0 (a hard zero,
+    icepop-style), so such a token gets no gradient; inside, the gradient is -ρ · A · ∇log π_θ. Needs no π_old.
+    Returns ``(loss, clipped)``; ``clipped`` marks mask tokens outside the band.
     """
     logp = masked(logprobs, mask)
     mu = masked(behaviour_logprobs.detach(), mask)
     adv = masked(advantages.detach(), mask)
-    log_ratio = torch.clamp(logp.detach() - mu, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(torch.clamp(logp.detach() - mu, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    in_band = (ratio > 1.0 - clip_eps_low) & (ratio < 1.0 + clip_eps_high)
+    weight = torch.where(in_band, ratio, torch.zeros_like(ratio))
+    return masked(-weight * adv * logp, mask), mask & ~in_band
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    anchor_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1): loss_t = -sg(clip(r, 1 - eps_low, 1 + eps_high)) · A · log π_θ, r = π_θ/π_anchor.
+
+    π_anchor is π_old (SkyRL's ``cispo_anchor='old'``) or the behaviour policy μ (``'rollout'``). The clip
+    bounds the weight but never silences a token: every token gets the gradient -w · A · ∇log π_θ.
+    Returns ``(loss, clipped, ratio)``: ``clipped`` marks mask tokens with r outside the band, ``ratio`` is the
+    detached unclipped r (0 outside the mask) for the ``cispo/ratio_*`` metrics.
+    """
+    logp = masked(logprobs, mask)
+    anchor = masked(anchor_logprobs.detach(), mask)
+    adv = masked(advantages.detach(), mask)
+    ratio = torch.exp(torch.clamp(logp.detach() - anchor, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    low, high = 1.0 - eps_low, 1.0 + eps_high
     weight = torch.clamp(ratio, low, high)
-    clipped = mask & ((ratio > high) | (ratio < low))
-    surrogate = torch.exp(logp - logp.detach())  # value 1, gradient ∇log π_θ
-    return masked(-adv * weight * surrogate, mask), clipped
+    clipped = mask & ((ratio < low) | (ratio > high))
+    return masked(-adv * weight * logp, mask), clipped, masked(ratio, mask)

@@ -12,7 +12,7 @@ from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.configurable import from_dict
 
 CFG = {
-    "loss": {"type": "decoupled_ppo", "kl_coef": 0.1, "entropy_coef": 0.01, "reduction": "seq_mean_token_mean"},
+    "loss": {"type": "regular", "kl_coef": 0.1, "entropy_coef": 0.01, "reduction": "seq_mean_token_mean"},
     "correction": {"tis": "token", "outlier_mask": True, "token_mask": True, "sequence_mask": "geometric",
                    "geometric_low": 0.5, "geometric_high": 2.0},
 }  # fmt: skip

@@ -39,7 +39,9 @@ class TinyPolicy(torch.nn.Module):
     [
         {},
         {"loss": {"type": "ppo"}, "correction": {"token_mask": True}},
-        {"loss": {"type": "decoupled_ppo", "reduction": "seq_mean_token_mean"}, "correction": {"tis": "token"}},
+        {"loss": {"type": "regular", "reduction": "seq_mean_token_mean"}, "correction": {"tis": "token"}},
+        {"loss": {"type": "rollout_is", "clip_eps_low": 0.5, "clip_eps_high": 1.0}},
+        {"loss": {"type": "cispo", "cispo_anchor": "old"}, "correction": {"tis": "sequence", "sequence_tis_cap": 5.0}},
         {"advantage": {"estimator": "rloo"}, "loss": {"kl_coef": 0.001, "entropy_coef": 0.001}},
     ],
 )

@@ -1,4 +1,4 @@
-"""PPO clip (dual clip), rollout-anchored IS loss and KL estimators: hand-computed values, gradients, gradcheck."""
+"""PPO clip (dual clip), rollout_is, CISPO and KL estimators: hand-computed values, gradients, gradcheck."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from async_rl.algorithms import kl_penalty, ppo_clip_loss, rollout_is_loss
+from async_rl.algorithms.policy_losses import cispo_loss
 
 LN = math.log
 
@@ -39,20 +40,56 @@ def test_ppo_without_dual_clip_and_asymmetric_bounds() -> None:
 
 
 def test_rollout_is_hand_computed() -> None:
-    mu = torch.full((1, 4), -2.0, dtype=torch.float64)
-    ratio = torch.tensor([[3.0, 0.5, 1.0, 9.0]], dtype=torch.float64)
-    adv = torch.tensor([[1.0, 1.0, -2.0, 1.0]], dtype=torch.float64)
-    mask = torch.tensor([[True, True, True, False]])
+    # SkyRL's rollout_is: weight sg(ρ · 1[0.8 < ρ < 1.2]), ρ = π/μ; loss -w · A · log π, gradient -w · A
+    mu = torch.full((1, 6), -2.0, dtype=torch.float64)
+    ratio = torch.tensor([[1.1, 0.9, 1.2, 0.8, 3.0, 1.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -2.0, 1.0, 1.0, 1.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, True, True, False]])
     logp = (mu + ratio.log()).requires_grad_()
-    loss, clipped = rollout_is_loss(logp, mu, adv, mask, low=0.0, high=2.0)
-    torch.testing.assert_close(loss, torch.tensor([[-2.0, -0.5, 2.0, 0.0]], dtype=torch.float64))
-    assert clipped.tolist() == [[True, False, False, False]]
+    loss, clipped = rollout_is_loss(logp, mu, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2)
+    # the band is open: 1.2 and 0.8 sit on its ends and get the hard zero, as 3.0 does
+    w = torch.tensor([[1.1, 0.9, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    lp = mu + ratio.log()  # log π = -2 + log ρ
+    torch.testing.assert_close(loss, torch.where(mask, -w * adv * lp, torch.zeros(())))
+    assert clipped.tolist() == [[False, False, True, True, True, False]]
     loss.sum().backward()
-    # every token gets gradient (weight * -A), clipping bounds it but never zeroes it
-    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0, -0.5, 2.0, 0.0]], dtype=torch.float64))
-    loss2, clipped2 = rollout_is_loss(logp.detach(), mu, adv, mask, low=0.8, high=2.0)
-    torch.testing.assert_close(loss2, torch.tensor([[-2.0, -0.8, 2.0, 0.0]], dtype=torch.float64))
-    assert clipped2.tolist() == [[True, True, False, False]]
+    torch.testing.assert_close(logp.grad, torch.where(mask, -w * adv, torch.zeros(())))
+
+
+def test_cispo_hand_computed() -> None:
+    # CISPO: weight sg(clip(r, 1 - 0.5, 1 + 1)) = clip(r, 0.5, 2); loss -w · A · log π; every token keeps a gradient
+    anchor = torch.full((1, 5), -1.0, dtype=torch.float64)
+    r = torch.tensor([[3.0, 0.25, 1.5, 1.0, 9.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, -2.0, 0.5, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, True, False]])
+    logp = (anchor + r.log()).requires_grad_()
+    loss, clipped, ratio = cispo_loss(logp, anchor, adv, mask, eps_low=0.5, eps_high=1.0)
+    w = torch.tensor([[2.0, 0.5, 1.5, 1.0, 0.0]], dtype=torch.float64)
+    lp = anchor + r.log()
+    torch.testing.assert_close(loss, torch.where(mask, -w * adv * lp, torch.zeros(())))
+    assert clipped.tolist() == [[True, True, False, False, False]]
+    torch.testing.assert_close(ratio, torch.tensor([[3.0, 0.25, 1.5, 1.0, 0.0]], dtype=torch.float64))
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0, -0.5, 3.0, -0.5, 0.0]], dtype=torch.float64))
+
+
+def test_ratios_at_and_beyond_the_clamp() -> None:
+    # log ratios of 20, 25 and -30: exp(clamp(., ±20)) = e^20, e^20, e^-20
+    mu = torch.zeros(1, 3, dtype=torch.float64)
+    logp = torch.tensor([[20.0, 25.0, -30.0]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, clipped, ratio = cispo_loss(logp, mu, adv, mask, eps_low=1.0, eps_high=4.0)
+    torch.testing.assert_close(ratio, torch.tensor([[math.exp(20), math.exp(20), math.exp(-20)]], dtype=torch.float64))
+    # weights clip(., 0, 5) = 5, 5, e^-20; loss -w · A · log π
+    torch.testing.assert_close(loss, torch.tensor([[5.0 * 20, 5.0 * 25, math.exp(-20) * 30]], dtype=torch.float64))
+    # PPO with A < 0 and the ratio pinned at e^20: the clamp's gradient is 0 past ±20, dual clip caps at -A·3 = 3
+    logp.grad = None
+    pl, _, dual = ppo_clip_loss(logp, mu, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=3.0)
+    torch.testing.assert_close(pl[0, :2], torch.tensor([3.0, 3.0], dtype=torch.float64))
+    assert dual[0, :2].all()
+    # third token: A = 1, r = e^-20 < 0.8: max(-r, -0.8) = -e^-20, the unclipped term
+    assert pl[0, 2].item() == pytest.approx(-math.exp(-20.0))
 
 
 def test_kl_estimators_hand_computed() -> None:
@@ -77,7 +114,8 @@ def test_extreme_log_ratios_and_garbage_under_the_mask_stay_finite() -> None:
     mask = torch.tensor([[True, True, False, False]])
     for fn in (
         lambda: ppo_clip_loss(logp, mu, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=3.0)[0],
-        lambda: rollout_is_loss(logp, mu, adv, mask, low=0.0, high=2.0)[0],
+        lambda: rollout_is_loss(logp, mu, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2)[0],
+        lambda: cispo_loss(logp, mu, adv, mask, eps_low=1.0, eps_high=1.0)[0],
         lambda: kl_penalty(logp, mu, mask, "k3"),
     ):
         logp.grad = None
@@ -99,11 +137,8 @@ def test_gradcheck_float64() -> None:
     def ppo(x: torch.Tensor) -> torch.Tensor:
         return ppo_clip_loss(x, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=3.0)[0]
 
-    def ris(x: torch.Tensor) -> torch.Tensor:
-        return rollout_is_loss(x, old, adv, mask, low=0.0, high=2.0)[0]
-
     assert torch.autograd.gradcheck(ppo, (logp,))
-    # rollout_is detaches its weight: its gradient equals that of -A·π/μ only inside [low, high], so check there
-    assert torch.autograd.gradcheck(ris, (logp.detach().clamp(max=old + 0.6).requires_grad_(),))
+    # rollout_is and CISPO detach their weight, so their gradient is not the derivative of their value:
+    # the hand-computed tests above check it against the closed form -w · A instead
     for est in ("k1", "k2", "k3"):
         assert torch.autograd.gradcheck(lambda x, e=est: kl_penalty(x, ref, mask, e), (logp,))
