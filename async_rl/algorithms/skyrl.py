@@ -132,7 +132,7 @@ def skyrl_algorithm_config(source: Mapping[str, Any] | str | Path | Sequence[str
     if c["use_kl_in_reward"]:
         no_equivalent("use_kl_in_reward", "a KL penalty goes in the loss here (use_kl_loss)")
     if c["temperature"] is not None:
-        no_equivalent("temperature", "not an algorithm setting here: set the sampling temperature of the run")
+        no_equivalent("temperature", "not an algorithm setting here: it is sampling.temperature of the learner")
 
     loss: dict[str, Any] = {}
     ptype = c["policy_loss_type"]
