@@ -1,7 +1,8 @@
 """Off-policy RL algorithms on ``[batch, tokens]`` tensors: advantages, policy losses, corrections, metrics.
 
 The learner uses :class:`AlgorithmConfig`, :func:`compute_advantages` and :func:`make_loss_fn`;
-backends aggregate the loss metrics with :func:`reduce_metrics`. See ``docs/algorithms.md``.
+backends aggregate the loss metrics with :func:`reduce_metrics`; :func:`skyrl_algorithm_config` turns a
+SkyRL ``trainer.algorithm`` section into an :class:`AlgorithmConfig`. See ``docs/algorithms.md``.
 Public names load on first use (:mod:`async_rl.lazy`), so ``async_rl.algorithms.config`` stays torch-free.
 """
 
@@ -16,8 +17,9 @@ _EXPORTS = {
     "kl_penalty": "kl",
     "make_loss_fn": "loss",
     "ratio_metrics": "metrics", "reduce_metrics": "metrics", "staleness_metrics": "metrics",
-    "ppo_clip_loss": "policy_losses", "rollout_is_loss": "policy_losses",
+    "cispo_loss": "policy_losses", "ppo_clip_loss": "policy_losses", "rollout_is_loss": "policy_losses",
     "reduce_loss": "reductions",
+    "SkyRLConfigError": "skyrl", "skyrl_algorithm_config": "skyrl",
 }  # fmt: skip
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)
@@ -29,5 +31,6 @@ if TYPE_CHECKING:  # the real imports, for type checkers
     from async_rl.algorithms.kl import kl_penalty
     from async_rl.algorithms.loss import make_loss_fn
     from async_rl.algorithms.metrics import ratio_metrics, reduce_metrics, staleness_metrics
-    from async_rl.algorithms.policy_losses import ppo_clip_loss, rollout_is_loss
+    from async_rl.algorithms.policy_losses import cispo_loss, ppo_clip_loss, rollout_is_loss
     from async_rl.algorithms.reductions import reduce_loss
+    from async_rl.algorithms.skyrl import SkyRLConfigError, skyrl_algorithm_config
