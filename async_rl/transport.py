@@ -24,7 +24,7 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 from urllib.parse import unquote, urlparse
 
 from async_rl.checksums import CHECKSUMS, checksum_stream
@@ -39,6 +39,8 @@ MAX_BUCKET_BYTES = 512 << 20
 PART_BYTES = 256 << 20
 # Parts per bucket: 16 GiB buckets at most, and a bounded list of keys to delete per bucket.
 MAX_PARTS = 64
+SCHEMES = ("redis", "shm")
+"""URL schemes of the bucket transports: each names one explicitly (see :func:`make_transport`)."""
 
 
 class TransportError(RuntimeError):
@@ -57,16 +59,21 @@ class BucketCorrupt(TransportError):
 class TransportConfig:
     """Which transport moves weight bucket bytes."""
 
-    type: Literal["redis", "shm"] = "redis"
-    """'redis': buckets are Redis values (works across machines); 'shm': files under shm_dir (one host)."""
+    url: str = ""
+    """Where bucket bytes go, chosen by the URL's scheme (:data:`SCHEMES`): '' is the run's own Redis;
+    ``redis://host:port/db`` another Redis (works across machines); ``shm:///dev/shm`` files under that tmpfs
+    directory (one host). Any other scheme is refused."""
     connections: int = 2
     """Redis connections (and worker threads) used for concurrent bucket reads/writes."""
     timeout_s: float = 60.0
     """Socket timeout for one bucket transfer."""
-    shm_dir: str = "/dev/shm"
-    """Directory of the shared-memory transport (a tmpfs)."""
 
     def __post_init__(self) -> None:
+        scheme = urlparse(self.url).scheme if self.url else "redis"
+        if scheme not in SCHEMES:
+            raise ValueError(f"transport.url scheme {scheme!r} is not one of {list(SCHEMES)} (got {self.url!r})")
+        if scheme == "shm" and not urlparse(self.url).path:
+            raise ValueError(f"transport.url {self.url!r} names no directory (shm:///dev/shm)")
         if self.connections < 1:
             raise ValueError("transport.connections must be >= 1")
         if self.timeout_s <= 0:
@@ -103,9 +110,14 @@ class BucketTransport(abc.ABC):
 
 
 def make_transport(cfg: TransportConfig, redis_url: str, names: Names) -> BucketTransport:
-    if cfg.type == "redis":
-        return RedisTransport(redis_url, names, connections=cfg.connections, timeout_s=cfg.timeout_s)
-    return SharedMemoryTransport(names, root=cfg.shm_dir)
+    """The transport ``cfg.url`` names by its scheme ('' is the run's Redis at ``redis_url``)."""
+    url = cfg.url or redis_url
+    scheme = urlparse(url).scheme
+    if scheme == "redis":
+        return RedisTransport(url, names, connections=cfg.connections, timeout_s=cfg.timeout_s)
+    if scheme == "shm":
+        return SharedMemoryTransport(names, root=urlparse(url).path)
+    raise ValueError(f"transport: no transport for scheme {scheme!r} of {url!r}; known: {list(SCHEMES)}")
 
 
 # ---- Redis ---------------------------------------------------------------------------------

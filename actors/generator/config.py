@@ -107,6 +107,8 @@ class WeightSyncConfig:
 
     poll_interval_s: float = 2.0
     """Fallback poll of the latest-version key (NATS announcements normally arrive first)."""
+    wait_log_interval_s: float = 10.0
+    """While waiting for the first version: log "still waiting for weights of <prefix> at <url>" this often."""
     first_version_timeout_s: float = 600.0
     """How long start() waits for the learner's first version; 0 starts on the engine's own weights."""
     apply_timeout_s: float = 120.0
@@ -121,6 +123,8 @@ class WeightSyncConfig:
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0:
             raise ValueError("generator.weight_sync.poll_interval_s must be > 0")
+        if self.wait_log_interval_s <= 0:
+            raise ValueError("generator.weight_sync.wait_log_interval_s must be > 0")
         if self.first_version_timeout_s < 0:
             raise ValueError("generator.weight_sync.first_version_timeout_s must be >= 0")
         if self.apply_timeout_s <= 0:

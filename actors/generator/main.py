@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from async_rl.entry import config_parser, parse_config, setup_logging
@@ -20,11 +21,20 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
     import asyncio
 
     from actors.generator.process import Generator
+    from async_rl.lifecycle import first_task_failure
 
     async def _run() -> None:
         gen = Generator(cfg)
         gen.install_signal_handlers()
         await gen.run()
 
-    asyncio.run(_run())
+    try:
+        asyncio.run(_run())
+    except BaseExceptionGroup as group:  # a long-lived task failed: one line, non-zero, the supervisor restarts us
+        failed = first_task_failure(group)
+        if failed is None:
+            raise
+        logging.getLogger("actors.generator").debug("task failure", exc_info=group)
+        print(f"{prog}: {cfg.generator_id}: {failed}; exiting", file=sys.stderr)
+        return 1
     return 0

@@ -27,6 +27,7 @@ from actors.generator.config import GeneratorConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.weight_sync import WeightSync
 from async_rl.control import Control, ControlPlane, Heartbeat, Message
+from async_rl.lifecycle import named_task, raise_if_cancel_requested, redact_url
 from async_rl.sampling import Sampling
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
@@ -69,6 +70,8 @@ class Generator:
     _held: list[PromptEntry]
     _started_at: float
     _abort_event: asyncio.Event
+    _done: asyncio.Event
+    """Set when the work loop has ended: background loops finish."""
 
     def __init__(self, cfg: GeneratorConfig) -> None:
         self.cfg = cfg
@@ -76,6 +79,7 @@ class Generator:
         self.resume_event = asyncio.Event()
         self.resume_event.set()
         self._abort_event = asyncio.Event()
+        self._done = asyncio.Event()
         self.num_prompts = 0
         self.num_tokens = 0
         self.state = "starting"
@@ -89,57 +93,71 @@ class Generator:
         self._started_at = time.time()
 
     # ------------------------------------------------------------------ lifecycle
-    async def setup(self) -> None:
+    async def setup(self, stack: contextlib.AsyncExitStack) -> bool:
+        """Connect, build the engine, load the newest weights; every resource is entered in ``stack``.
+        False when stopped while waiting for the first weights."""
         cfg, names = self.cfg, self.cfg.run.names
         assert cfg.run.redis_url and cfg.run.nats_url, "URLs are resolved by the entry point"
         self._task = build_task(cfg.task)
         self._redis = aioredis.Redis.from_url(cfg.run.redis_url)
+        stack.push_async_callback(self._redis.aclose)
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
         self._control = await ControlPlane(cfg.run.nats_url, name=cfg.generator_id, cfg=cfg.control).connect()
+        stack.push_async_callback(self._control.close)
         await self._control.subscribe(names.control_subject, self._on_control, kinds=(Control,))
         self._engine = await asyncio.to_thread(build_engine, cfg)
+        stack.push_async_callback(self._engine.close)
         transport = make_transport(cfg.transport, cfg.run.redis_url, names)
         reader = WeightReader(self._redis, transport, names, cfg.weight_sync.reader, reader_id=cfg.generator_id)
-        self._sync = WeightSync(self._engine, reader, names, cfg.weight_sync, self._control)
+        where = f"prefix {names.prefix!r} at {redact_url(cfg.run.redis_url)}"
+        self._sync = WeightSync(self._engine, reader, names, cfg.weight_sync, self._control, where=where)
+        stack.push_async_callback(self._sync.close)
+        stack.push_async_callback(self._release_held)  # first of the closing steps: others may take them at once
         log.info("generator %s: engine %s ready; loading the newest weight version", cfg.generator_id, cfg.engine)
-        await self._sync.start()  # the newest complete version is applied before the first token
+        if not await self._sync.start():  # the newest complete version is applied before the first token
+            return False
         self.state = "running"
+        return True
 
     async def run(self) -> None:
-        await self.setup()
-        try:
+        """Set up, then the work loop with the weight sync and heartbeats beside it in one TaskGroup: a failing
+        background task cancels the work and ends the process with its error (:class:`TaskFailed`)."""
+        async with contextlib.AsyncExitStack() as stack:
+            if not await self.setup(stack):
+                log.info("generator %s: stopped before the first weights arrived", self.cfg.generator_id)
+                return
+            assert self._sync is not None
             async with asyncio.TaskGroup() as tg:
-                work = tg.create_task(self._work_loop(), name="work")
-                beat = tg.create_task(self._heartbeat_loop(), name="heartbeat")
-                await work
-                beat.cancel()
-        finally:
-            await self.close()
+                tg.create_task(named_task("weights", self._sync.run()), name="weights")
+                tg.create_task(named_task("heartbeat", self._heartbeat_loop()), name="heartbeat")
+                await self._work_loop()
+                # Second phase: the work is drained; background tasks end on their own.
+                self._done.set()
+                self._sync.stop()
 
-    async def close(self) -> None:
+    async def _release_held(self) -> None:
         self.state = "stopping"
+        released = 0
         if self._held and self._prompts is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await self._prompts.release(self._held)
-                log.info("released %d prompts to other generators", len(self._held))
+                released = len(self._held)
+            except Exception as exc:  # the server is gone: they stay pending and are reclaimed after the idle time
+                log.warning("releasing %d held prompts failed (%r); others reclaim them", len(self._held), exc)
             self._held = []
         if self._control is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # the last heartbeat says "stopping"; NATS may be gone
                 await self._control.publish(self.cfg.run.names.heartbeat_subject, self._heartbeat())
-        if self._sync is not None:
-            await self._sync.close()
-        if self._engine is not None:
-            await self._engine.close()
-        if self._control is not None:
-            await self._control.close()
-        if self._redis is not None:
-            await self._redis.aclose()
+        log.info("generator %s exited: %d prompts done, released %d prompts", self.cfg.generator_id,
+                 self.num_prompts, released)  # fmt: skip
 
     def request_stop(self, abort: bool = False) -> None:
         """First phase of shutdown: take no new prompts (abort: also give up the batch in hand)."""
         if not self.stop_event.is_set():
             log.info("generator %s stopping (%s)", self.cfg.generator_id, "abort" if abort else "drain")
         self.stop_event.set()
+        if self.state == "starting" and self._sync is not None:  # still waiting for the first weights
+            self._sync.stop()
         self.resume_event.set()
         if abort:
             self._abort_event.set()
@@ -181,7 +199,7 @@ class Generator:
         assert self._control is not None
         subject = self.cfg.run.names.heartbeat_subject
         last_tokens, last_t = self.num_tokens, time.monotonic()
-        while True:
+        while not self._done.is_set():
             now = time.monotonic()
             rate = (self.num_tokens - last_tokens) / max(now - last_t, 1e-6)
             last_tokens, last_t = self.num_tokens, now
@@ -191,7 +209,10 @@ class Generator:
                     await self._prompts.touch(self.cfg.generator_id, self._held)
             except Exception as exc:  # retry boundary: NATS reconnects by itself, Redis is retried next beat
                 log.warning("heartbeat failed: %r", exc)
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done.wait(), self.cfg.heartbeat_interval_s)
+            if self._done.is_set():
+                return
 
     # ------------------------------------------------------------------ work
     async def _work_loop(self) -> None:
@@ -200,6 +221,7 @@ class Generator:
         prompts = self._prompts
         writer = RolloutWriter(self._redis, cfg.run.names, cfg.rollouts)
         while not self.stop_event.is_set():
+            raise_if_cancel_requested()
             if not self.resume_event.is_set():
                 await self.resume_event.wait()
                 continue

@@ -1,9 +1,10 @@
 """Generator-side weight sync: load the newest version first, then follow new ones in the background.
 
 :meth:`WeightSync.start` fetches the newest complete version (waiting for the first publish if
-there is none yet), hands it to the engine and waits until the engine applied it, so that the
-generator's first token comes from learner weights. Afterwards two named tasks run beside the
-generator loop: one follows ``weights:latest`` (woken by NATS announcements, with a periodic
+there is none yet, saying so every ``wait_log_interval_s``, and giving up at once on :meth:`stop`),
+hands it to the engine and waits until the engine applied it, so that the generator's first token
+comes from learner weights. Afterwards :meth:`run` (a task of the generator's TaskGroup: if it
+fails, the process ends with its error) runs two loops until :meth:`stop`: one follows ``weights:latest`` (woken by NATS announcements, with a periodic
 poll of the key as a fallback when a message is missed), one fetches the wanted version in the
 background, verifies every bucket and calls :meth:`Engine.stage_weights`; the engine keeps
 generating meanwhile and stops only for its swap. A version that is corrupt (checksum or size
@@ -19,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -62,8 +64,9 @@ class WeightSync:
     _wake: asyncio.Event
     _stop: asyncio.Event
     _progress: asyncio.Condition
-    _tasks: list[asyncio.Task]
     _sub: Any
+    where: str
+    """Where weights come from (for the "still waiting" line): the run's prefix and Redis URL, no credentials."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class WeightSync:
         names: Names,
         cfg: WeightSyncConfig | None = None,
         control: ControlPlane | None = None,
+        where: str = "",
     ) -> None:
         self.engine = engine
         self.reader = reader
@@ -87,8 +91,8 @@ class WeightSync:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._progress = asyncio.Condition()
-        self._tasks = []
         self._sub = None
+        self.where = where or f"prefix {names.prefix}"
 
     @property
     def num_failures(self) -> int:
@@ -113,28 +117,56 @@ class WeightSync:
             await asyncio.wait_for(event.wait(), timeout_s)
         return event.is_set()
 
-    async def start(self) -> None:
-        """Subscribe, load the newest version into the engine (waiting until applied), start the tasks."""
+    async def start(self) -> bool:
+        """Subscribe and load the newest version into the engine (waiting until applied); False if stopped first."""
         if self.control is not None:
             self._sub = await self.control.subscribe(
                 self.names.weights_subject, self._on_announcement, kinds=(WeightsAnnounced,)
             )
         if self.cfg.first_version_timeout_s > 0:
-            await self._load_first()
-        self._tasks = [
-            asyncio.create_task(self._poll_loop(), name="weights-poll"),
-            asyncio.create_task(self._fetch_loop(), name="weights-fetch"),
-        ]
+            return await self._load_first()
+        return True
 
-    async def _load_first(self) -> None:
-        deadline = time.monotonic() + self.cfg.first_version_timeout_s
+    async def run(self) -> None:
+        """Follow new versions until :meth:`stop`: the poll and fetch loops in a TaskGroup of their own, so
+        that an error in either ends both and reaches the caller's TaskGroup (the process then exits)."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._poll_loop(), name="weights-poll")
+            tg.create_task(self._fetch_loop(), name="weights-fetch")
+
+    @contextlib.asynccontextmanager
+    async def following(self) -> AsyncIterator[WeightSync]:
+        """After :meth:`start`: :meth:`run` beside the caller's block, stopped and closed at its end (for tests and
+        benchmarks; the generator process owns :meth:`run` in its own TaskGroup)."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.run(), name="weights")
+            try:
+                yield self
+            finally:
+                await self.close()
+
+    def stop(self) -> None:
+        """Make :meth:`start` give up and :meth:`run` return (an in-flight fetch ends at its next step)."""
+        self._stop.set()
+        self._wake.set()
+
+    async def _load_first(self) -> bool:
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.first_version_timeout_s
+        next_note = t0 + self.cfg.wait_log_interval_s
         while self.staged_version < 0:
-            left = deadline - time.monotonic()
+            if self._stop.is_set():
+                return False
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise TimeoutError(
-                    f"no usable weight version appeared within {self.cfg.first_version_timeout_s}s "
-                    f"(latest {self.wanted_version}, refused {sorted(self.refused)}; is the learner running?)"
+                    f"no usable weight version of {self.where} within {self.cfg.first_version_timeout_s}s "
+                    f"(latest {self.wanted_version}, refused {sorted(self.refused)}); is a learner publishing there?"
                 )
+            if now >= next_note:
+                log.info("still waiting for weights of %s (%.0fs so far)", self.where, now - t0)
+                next_note = now + self.cfg.wait_log_interval_s
             try:
                 await self._refresh_latest()
             except TRANSIENT_ERRORS as exc:
@@ -145,11 +177,14 @@ class WeightSync:
                 continue
             self._wake.clear()
             await self._wait(self._wake, min(self.cfg.poll_interval_s, max(left, 0.001)))
+        if self._stop.is_set():
+            return False
         if not await self.engine.wait_applied(self.staged_version, self.cfg.apply_timeout_s):
             raise TimeoutError(
                 f"the engine did not apply weights version {self.staged_version} within {self.cfg.apply_timeout_s}s"
             )
         log.info("engine is on weights version %d", self.staged_version)
+        return True
 
     async def _sync_to(self, target: int) -> bool:
         """Fetch, verify and stage ``target``; True when staged. Transient errors are retried here."""
@@ -232,13 +267,8 @@ class WeightSync:
         return self.staged_version >= version
 
     async def close(self) -> None:
-        """Stop the tasks (an in-flight fetch is cancelled; its lease is released) and unsubscribe."""
-        self._stop.set()
-        self._wake.set()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        """Unsubscribe (after :meth:`run` has returned)."""
+        self.stop()
         if self._sub is not None:
             with contextlib.suppress(Exception):  # the connection may be draining already
                 await self._sub.unsubscribe()

@@ -8,6 +8,7 @@ import signal
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -235,7 +236,7 @@ async def test_publish_announces_on_nats(redis_client: aioredis.Redis, names: Na
     assert msg.num_buckets == m.num_buckets and msg.transport == "redis"
 
 
-async def test_transport_errors_are_named(servers: ServerSet, names: Names) -> None:
+async def test_transport_errors_are_named(servers: ServerSet, names: Names, tmp_path: Path) -> None:
     from async_rl.servers import free_port
     from async_rl.transport import BucketMissing, TransportConfig, TransportError, make_transport
 
@@ -252,6 +253,14 @@ async def test_transport_errors_are_named(servers: ServerSet, names: Names) -> N
         await dead.get(0, 0)
     with pytest.raises(ValueError, match="transport.connections"):
         TransportConfig(connections=0)
+    # Chosen by scheme, explicitly: a typo or an unknown scheme is refused, never taken for shared memory.
+    with pytest.raises(ValueError, match="scheme 'nixl' is not one of"):
+        TransportConfig(url="nixl://host:1")
+    with pytest.raises(ValueError, match="names no directory"):
+        TransportConfig(url="shm://")
+    shm = make_transport(TransportConfig(url=f"shm://{tmp_path}"), servers.redis_url, names)
+    assert shm.name == "shm" and str(shm.root).startswith(str(tmp_path))
+    assert make_transport(TransportConfig(url="redis://127.0.0.1:1/0"), servers.redis_url, names).name == "redis"
     t = RedisTransport("rediss://127.0.0.1:1/0", names, connections=1)
     for _ in range(2):  # the failed connection gives its pool slot back
         with pytest.raises(ValueError, match="only redis:// URLs"):

@@ -59,19 +59,17 @@ async def test_started_mid_run_it_loads_the_newest_version_before_the_first_toke
         await pub.publish(_weights(v), v)
     sync = _sync(engine, redis_client, servers, names, poll_interval_s=60)
     await sync.start()
-    try:
+    async with sync.following():
         assert engine.version == 2 and sync.staged_version == 2 and sync.num_staged == 1  # v0, v1 never fetched
         assert _engine_holds(engine, _weights(2))
         out = await engine.generate([np.array([1, 5, 6, 7], dtype=np.int32)], SamplingParams(n=2, max_new_tokens=4))
         assert all((c.versions == 2).all() for c in out[0])
-    finally:
-        await sync.close()
 
 
 async def test_start_waits_for_the_first_version_and_times_out_without_one(
     engine: TorchEngine, redis_client: aioredis.Redis, servers: ServerSet, names: Names
 ) -> None:
-    with pytest.raises(TimeoutError, match="no usable weight version appeared within 0.3s"):
+    with pytest.raises(TimeoutError, match="no usable weight version of .* within 0.3s"):
         await _sync(engine, redis_client, servers, names, first_version_timeout_s=0.3, poll_interval_s=0.1).start()
     sync = _sync(engine, redis_client, servers, names, first_version_timeout_s=30, poll_interval_s=0.05)
     starting = asyncio.create_task(sync.start(), name="sync-start")
@@ -79,10 +77,8 @@ async def test_start_waits_for_the_first_version_and_times_out_without_one(
     assert not starting.done()
     await _publisher(redis_client, servers, names).publish(_weights(5), 0)
     await asyncio.wait_for(starting, 30)
-    try:
+    async with sync.following():
         assert engine.version == 0 and _engine_holds(engine, _weights(5))
-    finally:
-        await sync.close()
 
 
 async def test_follows_announcements_over_nats(
@@ -93,15 +89,13 @@ async def test_follows_announcements_over_nats(
         await pub.publish(_weights(0), 0)
         sync = _sync(engine, redis_client, servers, names, control=gen_cp, poll_interval_s=3600)  # no polling
         await sync.start()
-        try:
+        async with sync.following():
             await gen_cp.flush()
             for v in (1, 2):
                 await pub.publish(_weights(v), v)
                 assert await sync.wait_staged(v, 20), sync.last_error
                 assert await engine.wait_applied(v, 20)
             assert _engine_holds(engine, _weights(2))
-        finally:
-            await sync.close()
 
 
 async def test_polls_latest_when_announcements_are_missed(
@@ -111,12 +105,10 @@ async def test_polls_latest_when_announcements_are_missed(
     await pub.publish(_weights(0), 0)
     sync = _sync(engine, redis_client, servers, names, poll_interval_s=0.1)
     await sync.start()
-    try:
+    async with sync.following():
         await pub.publish(_weights(1), 1)
         assert await sync.wait_staged(1, 20)
         assert await engine.wait_applied(1, 20) and _engine_holds(engine, _weights(1))
-    finally:
-        await sync.close()
 
 
 async def test_corrupt_version_is_refused_and_the_old_weights_stay(
@@ -127,7 +119,7 @@ async def test_corrupt_version_is_refused_and_the_old_weights_stay(
         await pub.publish(_weights(0), 0)
         sync = _sync(engine, redis_client, servers, names, control=gen_cp, poll_interval_s=3600)
         await sync.start()
-        try:
+        async with sync.following():
             await gen_cp.flush()
             m1 = await pub.publish(_weights(1), 1)
             key = names.weights_bucket(1, m1.num_buckets // 2)
@@ -147,8 +139,6 @@ async def test_corrupt_version_is_refused_and_the_old_weights_stay(
             )
             assert await sync.wait_staged(2, 20) and await engine.wait_applied(2, 20)
             assert _engine_holds(engine, _weights(2)) and sync.num_refused == 1
-        finally:
-            await sync.close()
 
 
 async def test_a_version_the_engine_rejects_is_refused(
@@ -158,12 +148,10 @@ async def test_a_version_the_engine_rejects_is_refused(
     await pub.publish(_weights(0), 0)
     sync = _sync(engine, redis_client, servers, names, poll_interval_s=0.05)
     await sync.start()
-    try:
+    async with sync.following():
         wrong = _weights(1)
         wrong.pop(next(iter(wrong)))  # incomplete set of names: the engine's check refuses it
         await pub.publish(wrong, 1)
         assert not await sync.wait_staged(1, 20)
         assert sync.num_refused == 1 and "incomplete" in sync.last_error
         assert engine.version == 0 and _engine_holds(engine, _weights(0))
-    finally:
-        await sync.close()

@@ -28,8 +28,8 @@ generator = load_config(GeneratorConfig, None, ["engine=vllm", "vllm.max_num_seq
 megatron = load_config(MegatronConfig, None, [])
 parse_args([], prog="async-rl quickstart")
 assert learner.sampling.n == 2 and generator.sampling.temperature == 0.7
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in %r)))
-""" % (HEAVY,)
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)))
+""".replace("HEAVY", repr(HEAVY))
 
 
 def test_every_role_config_loads_without_heavy_imports() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -106,11 +107,11 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
     names = Names(prefix=f"bench-weights-{uuid.uuid4().hex[:8]}")
     r = aioredis.Redis.from_url(redis_url)
     sync_r = redis.Redis.from_url(redis_url)
-    transport = make_transport(TransportConfig(type=args.transport), redis_url, names)
+    transport = make_transport(TransportConfig(url="shm:///dev/shm" if args.transport == "shm" else ""), redis_url, names)
     out: dict[str, Any] = {"layers": mcfg.num_hidden_layers, "build_s": round(build_s, 2)}
-    sync = None
     try:
-        async with ControlPlane(nats_url, name="bench-learner") as learner_cp, ControlPlane(nats_url) as gen_cp:
+        async with (ControlPlane(nats_url, name="bench-learner") as learner_cp, ControlPlane(nats_url) as gen_cp,
+                    contextlib.AsyncExitStack() as stack):  # fmt: skip
             pub = WeightPublisher(
                 r, transport, names, PublisherConfig(bucket_bytes=args.bucket_mb << 20, keep_versions=2), learner_cp
             )
@@ -126,6 +127,7 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
             sync = WeightSync(engine, reader, names, WeightSyncConfig(poll_interval_s=3600), gen_cp)
             t0 = time.perf_counter()
             await sync.start()
+            await stack.enter_async_context(sync.following())
             out["first_load_s"] = round(time.perf_counter() - t0, 3)
             await gen_cp.flush()
 
@@ -227,8 +229,6 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
             out["swap_pause_ms"] = engine.last_swap_pause_s * 1000
             out["swap_mid_sequence"] = any(v == [version - 1, version] for v in versions_seen)
     finally:
-        if sync is not None:
-            await sync.close()
         await engine.close()
         for v in range(args.rounds + 2):
             await transport.delete(v, 64)

@@ -1,0 +1,104 @@
+"""A generator process's lifecycle: a failing background task ends it with a clear error, and SIGTERM is
+honoured while it still waits for its first weights (real processes, real Redis and NATS)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from async_rl.models import build_model
+from async_rl.names import Names
+from async_rl.servers import ServerSet
+from async_rl.transport import RedisTransport
+from async_rl.weights import PublisherConfig, WeightPublisher
+from tests.integration.procs import GENERATOR_TEST_ARGS
+
+# The generator's own entry point, with its weight-fetch loop broken the way a bug would break it: the first
+# wake-up raises. Nothing else is changed: servers, engine, prompts and heartbeats are the real ones.
+_BROKEN_FETCH = """
+import sys
+from actors.generator import weight_sync
+from actors.generator.main import main
+
+async def broken_fetch_loop(self):
+    await self._wake.wait()
+    raise RuntimeError("injected: the fetch loop broke")
+
+weight_sync.WeightSync._fetch_loop = broken_fetch_loop
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _args(servers: ServerSet, names: Names, *extra: str) -> list[str]:
+    return [f"run.prefix={names.prefix}", f"run.redis_url={servers.redis_url}", f"run.nats_url={servers.nats_url}",
+            *GENERATOR_TEST_ARGS, "generator_id=lifecycle", *extra]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+
+
+async def _publish(redis_client: aioredis.Redis, servers: ServerSet, names: Names, *versions: int) -> None:
+    pub = WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names, PublisherConfig())
+    for v in versions:
+        await pub.publish({k: t.clone() for k, t in build_model("tiny-moe", seed=v).state_dict().items()}, v)
+    await pub.transport.close()
+
+
+async def test_a_failing_weight_fetch_task_ends_the_process_with_its_error(
+    servers: ServerSet, names: Names, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    await _publish(redis_client, servers, names, 0)
+    log = tmp_path / "gen.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _BROKEN_FETCH, *_args(servers, names, "weight_sync.poll_interval_s=0.2")],
+                                stdout=out, stderr=subprocess.STDOUT, env=_env())  # fmt: skip
+        try:
+            # The first version loads (start), then a newer one wakes the fetch loop, which breaks.
+            deadline = time.monotonic() + 120
+            while "engine is on weights version 0" not in log.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()
+                time.sleep(0.2)
+            await _publish(redis_client, servers, names, 1)
+            code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert code == 1, text
+    # One line naming the process, the task and the error; no traceback for the user to dig through.
+    assert "async-rl generator: lifecycle: the weights task failed: RuntimeError: injected: the fetch loop broke" in text
+    assert "Traceback" not in text
+    assert "generator lifecycle exited: 0 prompts done, released 0 prompts" in text
+
+
+def test_sigterm_while_waiting_for_the_first_weights_exits_promptly(servers: ServerSet, names: Names,
+                                                                    tmp_path: Path) -> None:  # fmt: skip
+    log = tmp_path / "gen.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "actors.commands", "generator",
+                                 *_args(servers, names, "weight_sync.wait_log_interval_s=0.5")],
+                                stdout=out, stderr=subprocess.STDOUT, env=_env())  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while "still waiting for weights of prefix" not in log.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()
+                time.sleep(0.2)
+            assert f"still waiting for weights of prefix '{names.prefix}' at {servers.redis_url}" in log.read_text()
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            code = proc.wait(30)
+            took_s = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert code == 0, text
+    assert took_s < 10, f"SIGTERM took {took_s:.1f}s\n{text}"
+    assert "stopped before the first weights arrived" in text and "released 0 prompts" in text
