@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +49,43 @@ class Names:
         return self.key("rollouts", "acks")
 
     def rollout_payload(self, token: str) -> str:
-        """String key holding the bytes of a large rollout record; its stream entry carries this key."""
+        """String key holding the bytes of a large rollout record; its stream entry carries this key.
+
+        ``token`` is 32 lowercase hex digits (a uuid4): :meth:`is_rollout_payload` accepts nothing else.
+        """
+        if not _TOKEN_RE.match(token) and token != "*":
+            raise ValueError(f"rollout payload token must be 32 lowercase hex digits, got {token!r}")
         return self.key("rollouts", "payload", token)
+
+    def is_rollout_payload(self, key: str) -> bool:
+        """Whether ``key`` is a payload key of this run as :meth:`rollout_payload` builds it.
+
+        The learner follows (and deletes) only such keys: a stream entry naming any other key, of this run
+        or another, is refused, so nothing a producer writes can make it read or delete a key outside the run.
+        """
+        prefix = self.key("rollouts", "payload", "")
+        return key.startswith(prefix) and bool(_TOKEN_RE.match(key[len(prefix) :]))
+
+    @property
+    def rollout_errors(self) -> str:
+        """Hash of the last error per rollout entry id (what failed while the learner held it), for dead letters."""
+        return self.key("rollouts", "errors")
+
+    # ---- audit: the fate of every issued prompt (buffer.audit) ----
+    @property
+    def audit_open(self) -> str:
+        """Hash of prompts issued and not yet finished: prompt id -> ``entry id|issued version|issued at``."""
+        return self.key("audit", "open")
+
+    @property
+    def audit_fates(self) -> str:
+        """Stream of final fates (trained / dropped_stale / dead_lettered), one entry per issued prompt."""
+        return self.key("audit", "fates")
+
+    @property
+    def audit_counters(self) -> str:
+        """Hash of totals: issued, trained, dropped_stale, dead_lettered (in flight = issued - the rest)."""
+        return self.key("audit", "counters")
 
     prompts_group: str = "generators"
     rollouts_group: str = "learner"

@@ -1,21 +1,29 @@
 """The dead-letter stream: entries that could not be decoded or used, with their reason and source.
 
 A malformed entry never crashes a reader and never vanishes: in one transaction it is copied
-to ``Names.dead_letters_stream`` (reason, source stream, source entry id, generator and group id
-when known, the payload when small), acked and deleted from its source, and counted in the
-source's counters hash (field ``dead_letters``).
+to ``Names.dead_letters_stream`` (reason, the last line of the error's traceback, source stream,
+source entry id, generator and group id when known, the payload when small), acked and deleted
+from its source, counted in the source's counters hash (field ``dead_letters``), and, when it
+belongs to a prompt still in flight, that prompt's fate is ``dead_lettered`` (:mod:`buffer.audit`).
 """
 
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from async_rl.names import Names
+from buffer.audit import Audit
 from buffer.streams import check_client, field_str
+
+
+def error_line(exc: BaseException) -> str:
+    """The last line of ``exc``'s traceback (``IndexError: index out of range in self``), as dead letters keep it."""
+    return traceback.format_exception_only(exc)[-1].strip()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,6 +50,8 @@ class DeadLetter:
     """Id in the dead-letter stream."""
     reason: str
     """Why the entry was set aside (the decoder's message, naming the field)."""
+    error: str
+    """Last line of the traceback of the error that set it aside (``WireError: ...``, ``IndexError: ...``)."""
     source_stream: str
     """Stream the entry came from."""
     source_id: str
@@ -64,11 +74,13 @@ class DeadLetters:
     redis: aioredis.Redis
     names: Names
     cfg: DeadLettersConfig
+    audit: Audit
 
     def __init__(self, redis: aioredis.Redis, names: Names, cfg: DeadLettersConfig | None = None) -> None:
         self.redis = check_client(redis, "DeadLetters")
         self.names = names
         self.cfg = cfg or DeadLettersConfig()
+        self.audit = Audit(self.redis, names)
 
     async def quarantine(
         self,
@@ -82,17 +94,22 @@ class DeadLetters:
         counters_key: str,
         payload: bytes | None = None,
         delete_keys: tuple[str, ...] = (),
+        error: str = "",
+        prompt_id: str | None = None,
     ) -> str:
         """Move one entry of ``source_stream`` (pending in ``group``) to the dead letters; returns its new id.
 
         ``payload`` overrides the entry's ``payload_field`` (a record stored under its own key);
-        ``delete_keys`` are deleted in the same transaction (that key).
+        ``delete_keys`` are deleted in the same transaction (that key: callers pass only keys of the
+        run they checked); ``error`` is the traceback's last line; ``prompt_id``, when it is still in
+        flight, gets the fate ``dead_lettered`` with ``reason`` in the same transaction.
         """
         if payload is None:
             payload = (fields or {}).get(payload_field)
         size = len(payload) if payload is not None else 0
         letter: dict[Any, Any] = {
             "reason": reason,
+            "error": error,
             "source_stream": source_stream,
             "source_id": source_id,
             "generator": field_str(fields, b"gen") or "",
@@ -109,6 +126,8 @@ class DeadLetters:
             pipe.hincrby(counters_key, "dead_letters", 1)
             if delete_keys:
                 pipe.delete(*delete_keys)
+            if prompt_id:
+                self.audit.finish_into(pipe, "dead_lettered", [(prompt_id, reason[:500])])
             res = await pipe.execute()
         return res[0].decode() if isinstance(res[0], bytes) else str(res[0])
 
@@ -126,6 +145,7 @@ class DeadLetters:
                 DeadLetter(
                     entry_id=eid.decode(),
                     reason=field_str(f, b"reason") or "",
+                    error=field_str(f, b"error") or "",
                     source_stream=field_str(f, b"source_stream") or "",
                     source_id=field_str(f, b"source_id") or "",
                     generator=field_str(f, b"generator") or None,

@@ -1,10 +1,11 @@
 """The prompt queue: the learner issues prompts by admission control; generators read them through a group.
 
 Admission control bounds staleness at the source: at learner version ``v`` at most ``(S+1)·B``
-prompt groups are issued and not yet consumed (S = max staleness, B = groups per step), counted
-in ``Names.prompt_counters`` (fields ``issued`` and ``consumed``; the learner calls
-:meth:`PromptQueue.mark_consumed` for every group it takes off the rollout stream, trained or
-dropped).
+prompt groups are issued and not yet finished (S = max staleness, B = groups per step). What is in
+flight is the audit's open set (:mod:`buffer.audit`): a prompt leaves it in the same transaction
+that makes its fate true (the commit of the step that trained it, a stale drop, a dead letter), so
+the count is exact across any number of restarts. The learner passes the groups it has read and
+not yet finished as ``held``: they are out of the streams and no longer need admission room.
 
 Delivery is at-least-once. A generator acks a prompt after its group record is appended to the
 rollout stream. A generator that dies leaves its prompts pending; :meth:`PromptQueue.read`
@@ -20,7 +21,6 @@ to the dead letters.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +29,18 @@ import redis.asyncio as aioredis
 
 from async_rl.names import Names
 from async_rl.wire import PromptSpec, WireError, decode_prompt, encode_prompt
-from buffer.dead_letters import DeadLetters, DeadLettersConfig
-from buffer.streams import RawEntry, Reclaimer, check_client, delivery_counts, ensure_group, read_group
+from buffer.audit import Audit
+from buffer.dead_letters import DeadLetters, DeadLettersConfig, error_line
+from buffer.streams import (
+    RawEntry,
+    Reclaimer,
+    check_client,
+    delivery_counts,
+    ensure_group,
+    field_str,
+    read_group,
+    sid,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +52,7 @@ RELEASED_IDLE_MS = 365 * 24 * 3600 * 1000
 _SPEC = b"spec"
 _VERSION = b"ver"
 _ISSUED_AT = b"at"
+_PROMPT_ID = b"pid"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,6 +96,7 @@ class PromptQueue:
     names: Names
     cfg: PromptQueueConfig
     dead_letters: DeadLetters
+    audit: Audit
     _reclaimer: Reclaimer
     _group_ready: bool
     _in_flight: dict[str, str]
@@ -94,6 +106,7 @@ class PromptQueue:
         self.names = names
         self.cfg = cfg or PromptQueueConfig()
         self.dead_letters = DeadLetters(self.redis, names, self.cfg.dead_letters)
+        self.audit = Audit(self.redis, names)
         self._reclaimer = Reclaimer(names.prompts_stream, names.prompts_group)
         self._group_ready = False
         self._in_flight = {}  # entry id -> consumer holding it
@@ -105,51 +118,45 @@ class PromptQueue:
 
     # ---- learner side ------------------------------------------------------------------
     async def in_flight(self) -> int:
-        """Prompts issued and not yet consumed.
+        """Prompts issued and not yet finished (trained, dropped stale or dead-lettered): the audit's open set."""
+        return await self.audit.in_flight()
 
-        Prompts and rollouts moved to the dead letters will never be consumed, so they leave the
-        count too; otherwise every poison entry would hold an admission slot forever.
+    async def capacity(self, max_staleness: int, batch_groups: int, held: int = 0) -> int:
+        """How many more prompts may be issued now: ``(S+1)·B`` minus those in flight and not ``held`` (never < 0).
+
+        ``held``: groups the caller has read off the rollout stream and not yet finished (a batch being
+        trained, steps waiting for their checkpoint). A restarted learner holds nothing until it re-reads
+        them, so no count can drift.
         """
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hmget(self.names.prompt_counters, ["issued", "consumed", "dead_letters"])
-            pipe.hget(self.names.rollout_counters, "dead_letters")
-            (issued, consumed, dead_prompts), dead_rollouts = await pipe.execute()
-        return int(issued or 0) - int(consumed or 0) - int(dead_prompts or 0) - int(dead_rollouts or 0)
-
-    async def capacity(self, max_staleness: int, batch_groups: int) -> int:
-        """How many more prompts may be issued now: ``(S+1)·B`` minus those in flight (never < 0)."""
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
-        return max(0, (max_staleness + 1) * batch_groups - await self.in_flight())
+        if held < 0:
+            raise ValueError(f"held must be >= 0, got {held}")
+        return max(0, (max_staleness + 1) * batch_groups - (await self.in_flight() - held))
 
     async def issue(self, specs: Sequence[PromptSpec], version: int) -> list[str]:
         """Append prompts issued at learner ``version``; returns their entry ids.
 
-        Does not check :meth:`capacity` (the learner asks first); the counters and the entries
-        are written in one transaction.
+        Does not check :meth:`capacity` (the learner asks first). Entries, the audit's open set and
+        its ``issued`` counter are written by one script; a prompt id already in flight is refused.
         """
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        payloads = [encode_prompt(s) for s in specs]
-        if not payloads:
+        items = [(s.prompt_id, encode_prompt(s)) for s in specs]
+        if not items:
             return []
+        if len({pid for pid, _ in items}) != len(items):
+            raise ValueError("issue: prompt ids must be distinct")
         await self._ensure_group()
-        now = repr(time.time())
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for p in payloads:
-                pipe.xadd(self.names.prompts_stream, {_SPEC: p, _VERSION: version, _ISSUED_AT: now})
-            pipe.hincrby(self.names.prompt_counters, "issued", len(payloads))
-            res = await pipe.execute()
-        return [r.decode() if isinstance(r, bytes) else str(r) for r in res[: len(payloads)]]
-
-    async def mark_consumed(self, n: int) -> None:
-        """Count ``n`` groups taken off the rollout stream (trained on or dropped)."""
-        if n < 0:
-            raise ValueError(f"mark_consumed: n must be >= 0, got {n}")
-        if n:
-            await self.redis.hincrby(self.names.prompt_counters, "consumed", n)
+        script, num_keys, args = self.audit.issue_args(version, items)
+        res: Any = await self.redis.eval(script, num_keys, *args)
+        ids = [sid(r) for r in res]
+        refused = [pid for (pid, _), eid in zip(items, ids, strict=True) if not eid]
+        if refused:
+            raise ValueError(f"issue: prompt id(s) {refused[:5]} are already in flight")
+        return ids
 
     # ---- generator side ----------------------------------------------------------------
     async def read(self, consumer: str, count: int, block_ms: int = 0) -> list[PromptEntry]:
@@ -213,13 +220,13 @@ class PromptQueue:
                 version = int(fields.get(_VERSION, b"0"))
                 issued_at = float(fields.get(_ISSUED_AT, b"0"))
             except (WireError, ValueError) as exc:
-                await self._quarantine(eid, fields, str(exc))
+                await self._quarantine(eid, fields, str(exc), error_line(exc))
                 continue
             out.append(PromptEntry(eid, spec, version, issued_at, reclaimed))
             self._in_flight[eid] = consumer
         return out
 
-    async def _quarantine(self, eid: str, fields: dict[bytes, bytes] | None, reason: str) -> None:
+    async def _quarantine(self, eid: str, fields: dict[bytes, bytes] | None, reason: str, error: str = "") -> None:
         log.warning("prompt queue: entry %s moved to dead letters: %s", eid, reason)
         await self.dead_letters.quarantine(
             source_stream=self.names.prompts_stream,
@@ -229,6 +236,8 @@ class PromptQueue:
             payload_field=_SPEC,
             reason=reason,
             counters_key=self.names.prompt_counters,
+            error=error,
+            prompt_id=field_str(fields, _PROMPT_ID),
         )
 
     async def ack(self, entries: Sequence[PromptEntry | str]) -> int:

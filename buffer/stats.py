@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from async_rl.names import Names
+from buffer.audit import Audit
 from buffer.dead_letters import DeadLetters
 from buffer.streams import check_client
 
@@ -45,21 +46,22 @@ async def _group(redis: aioredis.Redis, stream: str, group: str) -> dict[str, An
 async def buffer_stats(redis: aioredis.Redis, names: Names, num_dead_letters: int = 5) -> dict[str, Any]:
     """Counters and stream state of one run, as plain JSON-able data.
 
-    ``prompts.in_flight`` is issued - consumed (what admission control bounds); ``rollouts.backlog``
-    is the number of groups appended and not yet acked (the stream's length).
+    ``audit`` holds the fates of issued prompts (issued, trained, dropped_stale, dead_lettered,
+    in_flight: the open prompts admission control bounds); ``rollouts.backlog`` is the number of
+    groups appended and not yet acked (the stream's length).
     """
     check_client(redis, "buffer_stats")
     pc = await _counters(redis, names.prompt_counters)
     rc = await _counters(redis, names.rollout_counters)
+    audit = await Audit(redis, names).counters()
     prompts = await _group(redis, names.prompts_stream, names.prompts_group)
     rollouts = await _group(redis, names.rollouts_stream, names.rollouts_group)
     dl = DeadLetters(redis, names)
     letters = await dl.read(count=num_dead_letters) if num_dead_letters > 0 else []
     return {
         "prompts": {
-            "issued": pc.get("issued", 0),
-            "consumed": pc.get("consumed", 0),
-            "in_flight": pc.get("issued", 0) - pc.get("consumed", 0),
+            "issued": audit["issued"],
+            "in_flight": audit["in_flight"],
             "dead_letters": pc.get("dead_letters", 0),
             "stream": prompts,
         },
@@ -69,11 +71,13 @@ async def buffer_stats(redis: aioredis.Redis, names: Names, num_dead_letters: in
             "backlog": rollouts["length"],
             "stream": rollouts,
         },
+        "audit": audit,
         "dead_letters": {
             "length": await dl.count(),
             "latest": [
                 {
                     "reason": d.reason,
+                    "error": d.error,
                     "source_stream": d.source_stream,
                     "source_id": d.source_id,
                     "generator": d.generator,

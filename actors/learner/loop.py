@@ -3,15 +3,23 @@ one optimizer step per batch, versioned weights published back.
 
 One step:
 1. issue prompts up to the admission bound ((S+1-lag)·B groups issued and not yet consumed);
-2. read B groups from the rollout stream (duplicates of trained groups are acked and skipped,
-   malformed ones go to dead letters), apply the staleness policy (drop-and-count or keep);
+2. read B groups from the rollout stream (duplicates of trained groups are acked and skipped;
+   malformed ones, ones the model cannot take (:mod:`buffer.entry_checks`) and ones of prompts not
+   in flight go to dead letters), apply the staleness policy (drop-and-count or keep);
 3. advantages per group, samples cut into micro-batches by token budget, π_prox / reference
    logprobs when the loss needs them, forward + loss + backward + optimizer step (in a worker
    thread, so the event loop keeps NATS and Redis alive);
 4. version += 1; checkpoint every ``checkpoint.every`` steps, and only then ack the rollout
-   entries the checkpoint covers (a learner killed at any point re-reads the groups of lost
-   steps and skips those of committed ones: every group is trained exactly once);
+   entries the checkpoint covers, recording their prompts' fate ``trained`` in the same transaction
+   (:mod:`buffer.audit`). The checkpoint carries that commit and the steps' metrics rows: a learner
+   killed between the checkpoint and the ack (or the metrics write) finishes both on resume; one
+   killed earlier re-reads the groups of lost steps and skips those of committed ones. Every group
+   is trained exactly once, every committed step has its metrics row, and the counters stay exact;
 5. publish weights every ``publish_every`` steps; log metrics (wandb, JSONL, console, NATS).
+
+A step the backend fails on does not stop the learner: each group is tried alone (a forward pass)
+and the ones that fail go to the dead letters with the error; when none fails alone, the batch is
+given back with the error recorded and its entries reach the delivery limit if it keeps failing.
 """
 
 from __future__ import annotations
@@ -35,12 +43,14 @@ from async_rl.algorithms import broadcast_to_tokens, compute_advantages, make_lo
 from async_rl.algorithms.batch import MicroBatch, TrainSample
 from async_rl.configurable import to_dict
 from async_rl.control import ControlPlane, LearnerProgress
-from async_rl.metrics import MetricsLogger
+from async_rl.metrics import MetricsLogger, read_metrics
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.transport import make_transport
 from async_rl.weights import WeightPublisher
 from async_rl.wire_types import GroupRecord
+from buffer.dead_letters import error_line
+from buffer.entry_checks import EntryChecker, ModelFacts
 from buffer.prompts import PromptQueue
 from buffer.rollouts import RolloutEntry, RolloutReader
 from buffer.staleness import StalenessPolicy
@@ -49,6 +59,9 @@ log = logging.getLogger(__name__)
 
 CONSUMER = "learner"
 """Consumer name of the learner in the rollout group: a restarted learner picks up its own pending entries."""
+# Failed steps in a row that no single group explains (each group passes alone): after this many the fault is
+# taken to be the learner's own (a bug, a device error), and it exits for its supervisor instead of burning data.
+MAX_UNEXPLAINED_FAILURES = 3
 
 
 def build_samples(
@@ -92,7 +105,10 @@ class Learner:
     _metrics: MetricsLogger | None
     _task: Task
     _checkpoints: CheckpointManager
-    _unacked: list[str]
+    _checker: EntryChecker | None
+    _unacked: list[tuple[str, str, int]]
+    _pending_rows: list[tuple[int, dict[str, Any]]]
+    _unexplained_failures: int
     _max_staleness_seen: int
 
     def __init__(self, cfg: LearnerConfig, backend: TrainingBackend) -> None:
@@ -109,7 +125,10 @@ class Learner:
         self._metrics = None
         self._task = build_task(cfg.task)
         self._checkpoints = CheckpointManager(cfg.run.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
-        self._unacked = []
+        self._checker = None
+        self._unacked = []  # (entry id, prompt id, step) of trained steps not yet committed
+        self._pending_rows = []  # (step, metrics row) of those steps, written with their commit
+        self._unexplained_failures = 0
         self._max_staleness_seen = 0
 
     def install_signal_handlers(self) -> None:
@@ -139,11 +158,13 @@ class Learner:
         self._publisher = WeightPublisher(self._redis, transport, names, cfg.publisher, self._control)
         await self._publisher.clean_staging()
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
-        self._reader = RolloutReader(self._redis, names, cfg.rollouts)
-        issued = int(await self._redis.hget(names.prompt_counters, "issued") or 0)
+        self._checker = EntryChecker(await asyncio.to_thread(_model_facts, cfg), num_samples=cfg.sampling.n)
+        self._reader = RolloutReader(self._redis, names, cfg.rollouts, checker=self._checker, check_issued=True)
+        issued = (await self._prompts.audit.counters())["issued"]
         # Prompts issued after the checkpoint are in the stream already: never issue an index twice.
         self.state.prompts_issued = max(self.state.prompts_issued, issued)
         self._metrics = MetricsLogger(cfg.metrics, cfg.run.run_dir, config=to_dict(cfg), name=cfg.run.prefix)
+        await self._finish_restored_commit()
         await self._redis.hset(names.learner_state, mapping={
             "version": self.state.version, "step": self.state.step, "started_at": time.time(),
             "backend": cfg.backend, "model": cfg.model.name,
@@ -153,6 +174,7 @@ class Learner:
             await self._publish()
         else:
             self.state.published_version = latest
+        self._checker.max_version = max(self.state.version, self.state.published_version)
 
     async def close(self) -> None:
         if self._metrics is not None:
@@ -175,6 +197,13 @@ class Learner:
                 await self._step(entries)
             if self._unacked:  # the last steps since a checkpoint: commit them before leaving
                 await self._commit()
+        except Exception as exc:
+            # Dying with entries in hand: they are delivered again to the next learner, and the delivery limit
+            # sends them to the dead letters with this error if it keeps happening.
+            if self._reader is not None and self._reader.in_flight:
+                with contextlib.suppress(Exception):
+                    await self._reader.record_error(self._reader.in_flight, error_line(exc))
+            raise
         finally:
             await self.close()
         return self.state
@@ -196,7 +225,9 @@ class Learner:
         """Issue prompts up to the admission bound; returns how many were issued."""
         assert self._prompts is not None
         cfg = self.cfg
-        room = await self._prompts.capacity(cfg.staleness.max_staleness - cfg.admission_lag_versions, cfg.batch_groups)
+        assert self._reader is not None
+        room = await self._prompts.capacity(cfg.staleness.max_staleness - cfg.admission_lag_versions, cfg.batch_groups,
+                                            held=len(self._reader.in_flight))  # fmt: skip
         if room <= 0:
             return 0
         sampling = dataclasses.replace(cfg.sampling,
@@ -217,6 +248,7 @@ class Learner:
         policy = StalenessPolicy(cfg.staleness)
         batch: list[RolloutEntry] = []
         taken: set[str] = set()
+        taken_prompts: set[str] = set()
         seen = _Union(self.state.seen_group_ids, taken)
         while len(batch) < cfg.batch_groups and not self.stop_event.is_set():
             await self._feed_prompts()
@@ -224,22 +256,24 @@ class Learner:
             if not entries:
                 continue
             fresh = []
-            for e in entries:  # two deliveries of one group inside a single read
-                if e.record.group_id in taken:
+            for e in entries:  # two deliveries of one group (or two groups of one prompt) inside a batch
+                if e.record.group_id in taken or e.record.prompt_id in taken_prompts:
                     await self._reader.ack_dropped([e], counter="duplicates")
                 else:
                     taken.add(e.record.group_id)
+                    taken_prompts.add(e.record.prompt_id)
                     fresh.append(e)
             selection = policy.select(fresh, self.state.version)
             if selection.drop:
-                await self._reader.ack_dropped(selection.drop)
+                v = self.state.version
+                await self._reader.ack_dropped(selection.drop, fates=[
+                    (e.record.prompt_id, f"lag {v - e.record.min_version}") for e in selection.drop])  # fmt: skip
                 log.info("dropped %d groups over the staleness bound %d", len(selection.drop),
                          cfg.staleness.max_staleness)  # fmt: skip
             over = int(selection.metrics.get("num_over_bound", 0)) - len(selection.drop)
             if over > 0:
                 await self._reader.count("kept_stale", over)
             self._max_staleness_seen = max(self._max_staleness_seen, int(selection.metrics.get("staleness_max", 0)))
-            await self._prompts.mark_consumed(len(fresh))
             batch += selection.keep
         if self.stop_event.is_set() and batch:
             # Not trained: leave them pending for the next learner (they are reclaimed by name on restart).
@@ -252,23 +286,26 @@ class Learner:
         cfg = self.cfg
         t0 = time.monotonic()
         groups = [e.record for e in entries]
-        samples, adv_metrics, rewards = build_samples(groups, cfg)
         version_before = self.state.version
-        result, num_mb = await asyncio.to_thread(self._train, samples)
+        try:
+            samples, adv_metrics, rewards = build_samples(groups, cfg)
+            result, num_mb = await asyncio.to_thread(self._train, samples)
+        except Exception as exc:  # retry boundary: a batch the backend fails on must not stop training
+            await self._on_step_error(entries, exc)
+            return
+        self._unexplained_failures = 0
         self.state.step += 1
         self.state.version += 1
+        step = self.state.step
         train_s = time.monotonic() - t0
         self.state.seen_group_ids.update(g.group_id for g in groups)
-        self._unacked += [e.entry_id for e in entries]
+        self._unacked += [(e.entry_id, e.record.prompt_id, step) for e in entries]
         reward_mean = float(np.mean(rewards)) if rewards else 0.0
         self.reward_history.append(reward_mean)
         self.state.extra["reward_history"] = self.reward_history[-10_000:]
-        if self.state.step % cfg.checkpoint.every == 0:
-            await self._commit()
-        if self.state.step % cfg.publish_every == 0:
-            await self._publish()
         num_tokens = sum(int(s.input_ids.size) for s in samples)
         counters = await self._counters()
+        publishing = step % cfg.publish_every == 0
         metrics: dict[str, Any] = {
             **{f"loss/{k}": v for k, v in result.metrics.items()},
             **{f"adv/{k}": v for k, v in adv_metrics.items()},
@@ -277,13 +314,18 @@ class Learner:
             "samples": len(samples), "groups": len(groups), "tokens": num_tokens,
             "samples_per_s": len(samples) / max(train_s, 1e-9), "tokens_per_s": num_tokens / max(train_s, 1e-9),
             "staleness_group_max": max((version_before - g.min_version for g in groups), default=0),
-            "max_staleness_seen": self._max_staleness_seen, "published_version": self.state.published_version,
+            "max_staleness_seen": self._max_staleness_seen,
+            "published_version": self.state.version if publishing else self.state.published_version,
             **{f"buffer/{k}": v for k, v in counters.items()},
         }  # fmt: skip
         for key in groups[0].samples[0].reward_info:  # every group has samples (the wire format checks it)
             metrics[f"reward/{key}"] = float(np.mean([s.reward_info.get(key, 0.0) for g in groups for s in g.samples]))
-        assert self._metrics is not None and self._control is not None and self._redis is not None
-        self._metrics.log(self.state.step, metrics)
+        self._pending_rows.append((step, metrics))
+        if step % cfg.checkpoint.every == 0:
+            await self._commit()
+        if publishing:
+            await self._publish()
+        assert self._control is not None and self._redis is not None
         await self._redis.hset(self.cfg.run.names.learner_state,
                                mapping={"version": self.state.version, "step": self.state.step})  # fmt: skip
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)}
@@ -293,7 +335,38 @@ class Learner:
                                                         metrics=scalars))  # fmt: skip
         log.info("step %d v%d reward %.3f loss %.4f staleness<=%d groups %d tokens %d %.2fs",
                  self.state.step, self.state.version, reward_mean, result.metrics.get("loss", float("nan")),
-                 metrics["staleness_group_max"], len(groups), num_tokens, metrics["step_s"])  # fmt: skip
+                 metrics["staleness_group_max"], len(groups), num_tokens, time.monotonic() - t0)  # fmt: skip
+
+    async def _on_step_error(self, entries: list[RolloutEntry], exc: Exception) -> None:
+        """Find the groups a failed step choked on (each alone, forward only); dead-letter them, give back the rest."""
+        assert self._reader is not None
+        line = error_line(exc)
+        log.error("step %d failed on %d groups (%s); trying each group alone", self.state.step + 1, len(entries), line)
+        culprits = await asyncio.to_thread(self._probe, entries)
+        for e, err in culprits:
+            await self._reader.quarantine([e], f"the {self.backend.name} backend failed on this group: {err}", err)
+        bad = {e.entry_id for e, _ in culprits}
+        rest = [e for e in entries if e.entry_id not in bad]
+        await self._reader.retry(rest, line)
+        if culprits:
+            return
+        self._unexplained_failures += 1
+        if self._unexplained_failures >= MAX_UNEXPLAINED_FAILURES:
+            raise RuntimeError(f"{self._unexplained_failures} steps in a row failed with every group passing alone; "
+                               f"last error: {line}") from exc  # fmt: skip
+
+    def _probe(self, entries: list[RolloutEntry]) -> list[tuple[RolloutEntry, str]]:
+        """Worker thread: a no-grad forward of each group alone; the groups that fail, with their error line."""
+        cfg, backend = self.cfg, self.backend
+        failed = []
+        for e in entries:
+            try:
+                samples, _, _ = build_samples([e.record], cfg)
+                for mb in make_micro_batches(samples, cfg.batching):
+                    backend.forward_logprobs(mb, replay_routes=cfg.replay_routes)
+            except Exception as exc:  # the point: find what fails
+                failed.append((e, error_line(exc)))
+        return failed
 
     def _train(self, samples: list[TrainSample]) -> tuple[Any, int]:
         """Worker thread: micro-batches, extra logprobs the loss needs, one optimizer step."""
@@ -311,12 +384,37 @@ class Learner:
         return result, len(mbs)
 
     async def _commit(self) -> None:
-        """Checkpoint, then ack the rollout entries of every step the checkpoint covers."""
-        assert self._reader is not None
+        """Checkpoint, then ack the rollout entries of every step the checkpoint covers (their prompts: ``trained``),
+        then write those steps' metrics rows. The checkpoint carries both, so a learner killed after it finishes
+        them on resume (:meth:`_finish_restored_commit`)."""
+        assert self._reader is not None and self._metrics is not None
+        self.state.extra["commit"] = [list(u) for u in self._unacked]
+        self.state.extra["metrics_rows"] = [[step, row] for step, row in self._pending_rows]
         await asyncio.to_thread(self._checkpoints.save, self.backend, self.state)
         if self._unacked:
-            await self._reader.ack(self._unacked)
+            await self._reader.ack([eid for eid, _, _ in self._unacked],
+                                   fates=[(pid, f"step {step}") for _, pid, step in self._unacked])  # fmt: skip
             self._unacked = []
+        for step, row in self._pending_rows:
+            self._metrics.log(step, row)
+        self._pending_rows = []
+
+    async def _finish_restored_commit(self) -> None:
+        """Resume: ack what the restored checkpoint committed (a no-op for what was acked before the kill) and write
+        the metrics rows of its steps that ``metrics.jsonl`` lacks."""
+        assert self._reader is not None and self._metrics is not None
+        commit = self.state.extra.get("commit") or []
+        if commit:
+            n = await self._reader.ack([eid for eid, _, _ in commit],
+                                       fates=[(pid, f"step {step}") for _, pid, step in commit])  # fmt: skip
+            if n:
+                log.info("finished the commit of the restored checkpoint: %d entries acked", n)
+        rows = self.state.extra.get("metrics_rows") or []
+        logged = {int(r["step"]) for r in read_metrics(self.cfg.run.run_dir) if "step" in r}
+        for step, row in rows:
+            if int(step) not in logged:
+                self._metrics.log(int(step), row)
+                log.info("wrote the metrics row of committed step %d (lost with the previous learner)", step)
 
     async def _publish(self) -> None:
         assert self._publisher is not None
@@ -324,14 +422,24 @@ class Learner:
         tensors = await asyncio.to_thread(lambda: dict(self.backend.export_weights()))
         await self._publisher.publish(tensors, self.state.version)
         self.state.published_version = self.state.version
+        if self._checker is not None:  # tokens of this version may arrive from now on
+            self._checker.max_version = max(self._checker.max_version or 0, self.state.version)
         log.info("published weights v%d (%.1f MB) in %.2fs", self.state.version,
                  sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6, time.monotonic() - t0)  # fmt: skip
 
     async def _counters(self) -> dict[str, int]:
-        assert self._redis is not None
+        assert self._redis is not None and self._prompts is not None
         names = self.cfg.run.names
         raw: dict[bytes, bytes] = await self._redis.hgetall(names.rollout_counters)  # type: ignore[assignment]
-        return {k.decode(): int(v) for k, v in raw.items()}
+        audit = {f"audit_{k}": v for k, v in (await self._prompts.audit.counters()).items()}
+        return {**{k.decode(): int(v) for k, v in raw.items()}, **audit}
+
+
+def _model_facts(cfg: LearnerConfig) -> ModelFacts:
+    """What every rollout entry is checked against: the learner's own model config."""
+    from async_rl.models import load_model_config
+
+    return ModelFacts.from_hf_config(load_model_config(cfg.model.name))
 
 
 class _Union:

@@ -7,6 +7,7 @@ import pytest
 
 from actors.commands.bench.buffer import make_group
 from async_rl.configurable import ConfigError, from_dict
+from async_rl.wire import PromptSpec
 from buffer.prompts import PromptQueue
 from buffer.rollouts import RolloutReader, RolloutWriter
 from buffer.staleness import StalenessConfig, StalenessPolicy, token_staleness
@@ -15,14 +16,18 @@ from buffer.stats import buffer_stats
 
 def _group(i: int, version: int):
     # make_group gives the first third of each sample version - 1: min_version = version - 1 (or 0).
-    return make_group(
+    rec = make_group(
         group_id=f"g{i}", prompt_tokens=3, response_tokens=6, num_samples=2, moe_layers=2, top_k=2, version=version
     )
+    rec.prompt_id = f"p-g{i}"
+    return rec
 
 
 async def test_drop_mode_acks_and_counts_stale_groups(redis_client, names):
     writer, reader = RolloutWriter(redis_client, names), RolloutReader(redis_client, names)
     prompts = PromptQueue(redis_client, names)
+    # make_group's prompt ids are "p-<group id>": issue them so the drops and the commit give them fates.
+    await prompts.issue([PromptSpec(f"p-g{i}", np.arange(3, dtype=np.int32)) for i in range(5)], version=0)
     # min versions 9, 7, 5, 3, 1 (version - 1); learner at 10 with S = 4 keeps min_version >= 6.
     for i, v in enumerate([10, 8, 6, 4, 2]):
         await writer.append(_group(i, v))
@@ -33,13 +38,13 @@ async def test_drop_mode_acks_and_counts_stale_groups(redis_client, names):
     assert sel.metrics["num_dropped_stale"] == 3 and sel.metrics["num_over_bound"] == 3
     assert sel.metrics["staleness_max"] == 9 and sel.metrics["staleness_mean"] == pytest.approx(5.0)
     assert await reader.ack_dropped(sel.drop) == 3
-    await prompts.mark_consumed(len(sel.drop))
+    assert await prompts.in_flight() == 2  # the drops finished their prompts in the same transaction
     await reader.ack(sel.keep)
     stats = await buffer_stats(redis_client, names)
     assert stats["rollouts"]["dropped_stale"] == 3
     assert stats["rollouts"]["consumed"] == 2
     assert stats["rollouts"]["backlog"] == 0
-    assert stats["prompts"]["consumed"] == 3
+    assert stats["audit"] == {"issued": 5, "trained": 2, "dropped_stale": 3, "dead_lettered": 0, "in_flight": 0}
 
 
 async def test_keep_mode_keeps_all_and_counts_over_bound(redis_client, names):

@@ -54,8 +54,12 @@ async def test_prompt_admission_issue_read_ack(redis_client, names):
     np.testing.assert_array_equal(entries[3].spec.prompt_ids, np.arange(4, dtype=np.int32))
     assert await q.ack(entries) == 4
     assert await redis_client.xlen(names.prompts_stream) == 0  # acked entries are deleted
-    await q.mark_consumed(3)
-    assert await q.capacity(1, 3) == 5
+    assert await q.capacity(1, 3) == 2  # acked prompts are still in flight until their groups finish
+    assert await q.capacity(1, 3, held=3) == 5  # groups the learner holds no longer need room
+    assert await q.audit.finish("trained", [("p0", "step 1"), ("p1", "step 1"), ("p1", "step 1")]) == 2
+    assert await q.capacity(1, 3) == 4  # each finished once
+    with pytest.raises(ValueError, match="already in flight"):
+        await q.issue(_specs(1, start=2), version=7)
     assert await q.read("gen-a", count=10) == []
     with pytest.raises(ValueError, match="batch_groups"):
         await q.capacity(1, 0)
@@ -125,19 +129,20 @@ async def test_rollout_roundtrip_ack_and_counters(redis_client, names):
 
 
 async def test_rollout_killed_learner_loses_nothing(redis_client, names):
+    # Four deliveries here (read, re-read, two take-overs): above the default delivery limit, tested on its own.
     w = RolloutWriter(redis_client, names)
     for i in range(4):
         await w.append(_group(i))
-    first = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000))
+    first = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000, max_deliveries=10))
     held = await first.read("learner-0", count=3)
     assert len(held) == 3
     del first  # killed before acking
     # A restarted learner with the same consumer name gets its pending entries back at once.
-    same = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000))
+    same = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000, max_deliveries=10))
     again = await same.read("learner-0", count=10)
     assert sorted(e.record.group_id for e in again) == ["g0", "g1", "g2", "g3"]
     # A different consumer takes over what learner-0 leaves idle, once idle long enough.
-    other = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000))
+    other = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000, max_deliveries=10))
     assert await other.read("learner-1", count=10) == []
     await asyncio.sleep(1.2)
     taken = await other.read("learner-1", count=10)
@@ -145,7 +150,7 @@ async def test_rollout_killed_learner_loses_nothing(redis_client, names):
     # Acked once, trained groups are skipped by id and counted when they come around again.
     assert await other.ack(taken[:2]) == 2
     await asyncio.sleep(1.2)
-    third = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000))
+    third = RolloutReader(redis_client, names, RolloutReaderConfig(reclaim_idle_ms=1000, max_deliveries=10))
     dup = await third.read("learner-2", count=10, seen={"g2"})
     assert [e.record.group_id for e in dup] == ["g3"]
     stats = await buffer_stats(redis_client, names)
