@@ -63,7 +63,8 @@ class MicroBatch:
     step_num_sequences: int
     """Sequences in the whole step batch (all micro-batches, all DP ranks)."""
     proximal_logprobs: torch.Tensor | None = None
-    """float32 ``[B, T]``: π_prox recomputed by the learner before the update (decoupled PPO)."""
+    """float32 ``[B, T]``: π_old, recomputed by the learner before the update (``AlgorithmConfig.needs_proximal_logprobs``:
+    the losses on π_old and every off-policy correction read it)."""
     reference_logprobs: torch.Tensor | None = None
     """float32 ``[B, T]``: reference-policy logprobs for a KL penalty."""
     group_ids: list[str] = field(default_factory=list)
