@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from async_rl.moe import route_dtype_for_max_id
 from async_rl.sampling import Sampling
 from async_rl.wire_types import FINISH_REASONS, SCHEMA_VERSION, GroupRecord, Sample
 
@@ -169,11 +170,10 @@ def compact_routes(routes: Any) -> np.ndarray:
     lo, hi = int(a.min()), int(a.max())
     if lo < 0:
         raise WireError(f"routes contain a negative expert id ({lo})")
-    if hi <= np.iinfo(np.uint8).max:
-        return a.astype(_U8, copy=a.dtype != _U8)
-    if hi <= np.iinfo(np.int16).max:
-        return a.astype(_I16, copy=a.dtype != _I16)
-    raise WireError(f"routes: expert id {hi} does not fit int16")
+    dtype = route_dtype_for_max_id(hi).newbyteorder("<")
+    if dtype not in (_U8, _I16):
+        raise WireError(f"routes: expert id {hi} does not fit int16")
+    return a.astype(dtype, copy=a.dtype != dtype)
 
 
 # ---- checks shared by encode and decode ----------------------------------------------------

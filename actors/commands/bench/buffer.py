@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from async_rl.moe import route_dtype
 from async_rl.names import Names
 from async_rl.wire_types import GroupRecord, Sample
 
@@ -62,7 +63,7 @@ def make_group(
         routes = None
         if moe_layers > 0:
             routes = rng.integers(0, num_experts, (prompt_tokens + n - 1, moe_layers, top_k), dtype=np.int64)
-            routes = routes.astype(np.uint8 if num_experts <= 256 else np.int16)
+            routes = routes.astype(route_dtype(num_experts))
         samples.append(
             Sample(
                 response_ids=rng.integers(0, 150_000, n, dtype=np.int32),

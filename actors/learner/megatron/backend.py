@@ -62,6 +62,7 @@ from actors.learner.megatron.routes import (
 from actors.learner.megatron.spec import decoder_block_spec
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
+from async_rl.moe import route_dtype
 
 
 def _te_available() -> bool:
@@ -537,7 +538,7 @@ class MegatronBackend(TrainingBackend):
             sub = full[rows]
             scatter_recorded(arrays, batch=len(rows), positions=positions, moe_indices=moe_idx, full=sub)
             full[rows] = np.where(sub >= 0, sub, full[rows])
-        dt = np.uint8 if self.arch.num_experts <= 256 else np.int16
+        dt = route_dtype(self.arch.num_experts)
         lengths = mb.attention_mask.sum(dim=1).tolist()
         out = [full[b, : int(n)].astype(dt) for b, n in enumerate(lengths)]
         if any((o < 0).any() for o in [full[b, : int(n)] for b, n in enumerate(lengths)]):
