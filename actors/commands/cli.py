@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "learner": ("actors.learner.main:main", "train on the rollout stream and publish weights"),
     "generator": ("actors.generator.main:main", "turn prompts into scored groups (start any number, any time)"),
     "status": ("actors.commands.status:main", "live view of generators, streams, versions and staleness"),
+    "audit": ("actors.commands.audit:main", "check that every issued prompt has a fate (trained, dropped, dead letter)"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "buffer": ("actors.commands.bench.buffer:main", "rollout-stream throughput vs raw bytes and JSON encodings"),

@@ -74,12 +74,16 @@ def render(snap: dict[str, Any]) -> Any:
     learner = snap["learner"]
     b = snap["buffer"]
     head = Table(title=f"async-rl run {snap['prefix']!r}", show_header=True)
-    for col in ("learner step", "learner version", "published", "prompts in flight", "rollout backlog",
-                "dropped stale", "duplicates", "dead letters"):  # fmt: skip
+    for col in ("learner step", "learner version", "published", "rollout backlog", "duplicates", "dead letters"):
         head.add_column(col, justify="right")
     head.add_row(str(learner.get("step", "-")), str(learner.get("version", "-")), str(snap["weights"]["latest"]),
-                 str(b["prompts"]["in_flight"]), str(b["rollouts"]["backlog"]), str(b["rollouts"]["dropped_stale"]),
-                 str(b["rollouts"]["duplicates"]), str(b["dead_letters"]["length"]))  # fmt: skip
+                 str(b["rollouts"]["backlog"]), str(b["rollouts"]["duplicates"]),
+                 str(b["dead_letters"]["length"]))  # fmt: skip
+    a = b["audit"]
+    fates = Table(title="prompts: issued = trained + dropped stale + dead-lettered + in flight (async-rl audit checks)")
+    for col in ("issued", "trained", "dropped stale", "dead-lettered", "in flight"):
+        fates.add_column(col, justify="right")
+    fates.add_row(*(str(a[k]) for k in ("issued", "trained", "dropped_stale", "dead_lettered", "in_flight")))
     gens = Table(title="generators")
     for col in ("id", "host", "engine", "state", "version", "staleness", "tokens/s", "in flight", "last seen"):
         gens.add_column(col)
@@ -89,13 +93,14 @@ def render(snap: dict[str, Any]) -> Any:
         gens.add_row(g["id"], g["host"], g["engine"], g["state"] if g["alive"] else "gone", str(g["version"]),
                      str(v - g["version"]), f"{g['tokens_per_s']:.0f}", str(g["in_flight"]), f"{g['last_seen_s']}s",
                      style=style)  # fmt: skip
-    parts: list[Any] = [head, gens]
+    parts: list[Any] = [head, fates, gens]
     if b["dead_letters"]["latest"]:
         dl = Table(title="latest dead letters")
-        for col in ("source", "id", "generator", "reason"):
+        for col in ("source", "id", "generator", "reason", "error"):
             dl.add_column(col)
         for d in b["dead_letters"]["latest"]:
-            dl.add_row(str(d["source_stream"]), str(d["source_id"]), str(d["generator"]), str(d["reason"])[:120])
+            dl.add_row(str(d["source_stream"]), str(d["source_id"]), str(d["generator"]), str(d["reason"])[:120],
+                       str(d["error"])[:80])  # fmt: skip
         parts.append(dl)
     return Group(*parts)
 
