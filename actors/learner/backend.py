@@ -25,9 +25,30 @@ import torch
 
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 
+REQUIRED_STEP_METRICS = ("loss", "grad_norm", "lr", "step_skipped", "num_micro_batches", "train_tokens_per_s")
+"""Keys every backend's :meth:`TrainingBackend.train_step` reports in ``StepResult.metrics`` (besides the loss
+function's own metrics, token-weighted over micro-batches and ranks)."""
+
 
 class TrainingBackend(abc.ABC):
-    """A model and its optimizer, as the learner loop needs them."""
+    """A model and its optimizer, as the learner loop needs them: every method the learner calls is here.
+
+    Guarantees every backend keeps (checked by ``tests/unit/test_backend_conformance.py`` on the torch backend on
+    CPU and the Megatron backend on a GPU):
+
+    * **Loss scaling.** ``loss_fn`` returns its micro-batch's share of the step loss (module docstring); the
+      backend sums gradients over micro-batches and data-parallel ranks, so any split of a step batch into
+      micro-batches gives the same gradients and the same update.
+    * **Reduction over ranks is the backend's.** The learner sees one :class:`StepResult` on the main rank: the
+      gradient norm is global, ``metrics["loss"]`` is the step loss (the sum of the micro-batch losses, all
+      ranks), the loss function's metrics are token-weighted means over all micro-batches and ranks.
+    * **Non-finite gradients skip the step.** When the global gradient norm is not finite, no parameter and no
+      optimizer state changes; the step returns with ``metrics["step_skipped"] == 1`` and the non-finite norm,
+      and the learner carries on (it counts and logs skipped steps). It never raises for that.
+    * **Metrics.** ``StepResult.metrics`` holds at least :data:`REQUIRED_STEP_METRICS`.
+    * **Ranks.** Exactly one rank is the main rank (:attr:`is_main_rank`): it reads streams, calls the
+      methods below and publishes. Every other rank runs :meth:`follow` until the main rank calls :meth:`close`.
+    """
 
     name: str = "backend"
 
@@ -42,15 +63,20 @@ class TrainingBackend(abc.ABC):
         """MoE layers of the model (0 for dense): the middle dimension of the routes."""
 
     @abc.abstractmethod
+    def follow(self) -> None:
+        """Non-main ranks: run what the main rank calls, until it calls :meth:`close`. On the main rank: an error."""
+
+    @abc.abstractmethod
     def forward_logprobs(
         self, mb: MicroBatch, *, replay_routes: bool = True, with_entropy: bool = False, reference: bool = False
     ) -> ForwardOutput:
-        """No-grad forward; CPU float32 outputs. ``reference`` uses the frozen reference model."""
+        """No-grad forward; CPU float32 ``[B, T]`` outputs, 0 at t = 0 and on padding. ``reference`` uses the frozen
+        reference model (a backend without one raises ``ValueError``)."""
 
     @abc.abstractmethod
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, replay_routes: bool = True,
                    with_entropy: bool = False) -> StepResult:  # fmt: skip
-        """Forward + ``loss_fn`` + backward on each micro-batch, then one optimizer step."""
+        """Forward + ``loss_fn`` + backward on each micro-batch, then one optimizer step (or a skipped one, above)."""
 
     @abc.abstractmethod
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -58,11 +84,12 @@ class TrainingBackend(abc.ABC):
 
     @abc.abstractmethod
     def save(self, directory: Path) -> None:
-        """Save model and optimizer state under ``directory``."""
+        """Save model and optimizer state under ``directory``: after :meth:`load`, training continues bit for bit."""
 
     @abc.abstractmethod
     def load(self, directory: Path) -> None:
         """Restore what :meth:`save` wrote."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release resources (process groups, GPU memory)."""
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources (process groups, GPU memory); on the main rank, also ends the followers' loops."""

@@ -31,10 +31,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
     backend = build_backend(cfg)
     try:
         if not backend.is_main_rank:
-            follow = getattr(backend, "follow", None)
-            if follow is None:
-                raise RuntimeError(f"backend {backend.name} has ranks other than the main one but no follow()")
-            follow()
+            backend.follow()
             return 0
 
         async def _run() -> None:

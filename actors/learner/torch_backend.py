@@ -221,6 +221,9 @@ class TorchBackend(TrainingBackend):
         self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location=self.device,
                                                   weights_only=True))  # fmt: skip
 
+    def follow(self) -> None:
+        raise RuntimeError("the torch backend runs on one rank, the main one: there is nothing to follow")
+
     def close(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -481,27 +482,38 @@ class MegatronBackend(TrainingBackend):
                     ) -> StepResult:  # fmt: skip
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
+        start = time.perf_counter()
         items = [self._share(mb, replay_routes) for mb in micro_batches]
         metrics: list[tuple[dict[str, float], float]] = []
+        losses: list[float] = []
 
         def loss_func(it: _Item, logits: torch.Tensor):  # type: ignore[no-untyped-def]
             out = self._forward_output(logits, it, with_entropy)
             loss, m = loss_fn(out, it.mb)
             if self.tp_rank == 0 and self.cp_rank == 0 and it.rows.size:
                 metrics.append((dict(m), float(it.mb.loss_mask.sum())))
+                losses.append(float(loss.detach()))  # this DP share's part of the step loss
             return loss, torch.ones((), dtype=torch.int, device=self.device), {}
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._run_schedule(items, loss_func, forward_only=False, replaying=replay_routes)
+        # Megatron's optimizer checks the gradients for inf/nan itself and leaves parameters and state untouched
+        # when it finds any (ok=False): the contract's skipped step (actors/learner/backend.py).
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError("optimizer step skipped (non-finite gradients)")
         parts: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(parts, metrics)
-        avg = reduce_metrics([m if WEIGHT_KEY in m else {**m, WEIGHT_KEY: w} for p in parts for m, w in p or []])
+        torch.distributed.all_gather_object(parts, (metrics, losses))
+        avg = reduce_metrics([m if WEIGHT_KEY in m else {**m, WEIGHT_KEY: w}
+                              for p in parts if p for m, w in p[0]])  # fmt: skip
         num_tokens = sum(int(mb.num_tokens) for mb in micro_batches)
-        gn = float(grad_norm) if grad_norm is not None else math.nan
+        gn = float(grad_norm) if grad_norm is not None and ok else math.inf
+        elapsed = time.perf_counter() - start
+        avg.update({
+            "loss": sum(x for p in parts if p for x in p[1]), "grad_norm": gn,
+            "lr": float(self.optimizer.param_groups[0]["lr"]), "step_skipped": 0.0 if ok else 1.0,
+            "num_micro_batches": float(len(micro_batches)),
+            "train_tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
+        })  # fmt: skip
         return StepResult(metrics=avg, grad_norm=gn, num_tokens=num_tokens)
 
     @torch.no_grad()
