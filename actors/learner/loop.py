@@ -294,6 +294,9 @@ class Learner:
             await self._on_step_error(entries, exc)
             return
         self._unexplained_failures = 0
+        if result.metrics.get("step_skipped"):  # the backend contract: no update, the step still counts
+            log.warning("step %d: non-finite gradient norm (%s); the optimizer step was skipped",
+                        self.state.step + 1, result.grad_norm)  # fmt: skip
         self.state.step += 1
         self.state.version += 1
         step = self.state.step
