@@ -22,9 +22,15 @@ from typing import Any, ClassVar, Literal
 
 import msgpack
 
+from async_rl.lifecycle import redact_url
+
 log = logging.getLogger(__name__)
 
 CONTROL_SCHEMA = 1
+
+
+class ControlPlaneLost(ConnectionError):
+    """The NATS connection closed after its reconnect attempts were spent; the message names the URL."""
 
 
 class MessageError(ValueError):
@@ -177,9 +183,19 @@ class ControlPlaneConfig:
     max_backoff_s: float = 5.0
     """Cap of the backoff between connection attempts."""
 
+    max_reconnect_attempts: int = 30
+    """After a connection is lost: reconnect attempts (``reconnect_wait_s`` apart) before the connection closes
+    and the process exits for its supervisor to restart it (no silent waiting)."""
+    reconnect_wait_s: float = 2.0
+    """Pause between reconnect attempts."""
+
     def __post_init__(self) -> None:
         if self.connect_attempts < 1:
             raise ValueError("control.connect_attempts must be >= 1")
+        if self.max_reconnect_attempts < 1:
+            raise ValueError("control.max_reconnect_attempts must be >= 1")
+        if self.reconnect_wait_s <= 0:
+            raise ValueError("control.reconnect_wait_s must be > 0")
         if self.max_backoff_s <= 0:
             raise ValueError("control.max_backoff_s must be > 0")
         if self.connect_timeout_s <= 0:
@@ -195,6 +211,8 @@ class ControlPlane:
     num_bad_messages: int
     num_handler_errors: int
     _nc: Any
+    _closing: bool
+    _lost: bool
 
     def __init__(self, url: str, *, name: str = "async-rl", cfg: ControlPlaneConfig | None = None) -> None:
         self.url = url
@@ -203,6 +221,8 @@ class ControlPlane:
         self.num_bad_messages = 0
         self.num_handler_errors = 0
         self._nc = None
+        self._closing = False
+        self._lost = False
 
     async def connect(self) -> ControlPlane:
         import nats
@@ -210,30 +230,46 @@ class ControlPlane:
         backoff_s = 0.1
         for attempt in range(1, self.cfg.connect_attempts + 1):
             try:
-                # Reconnects after a first success are nats-py's job (unbounded, buffered publishes); with
-                # unbounded reconnects nats-py's first connect never gives up either, hence the time limit.
+                # Reconnects after a first success are nats-py's job (bounded, buffered publishes); once they are
+                # spent the connection closes and publishing raises. The time limit bounds the first connect.
                 self._nc = await asyncio.wait_for(
                     nats.connect(
                         self.url,
                         name=self.name,
                         connect_timeout=self.cfg.connect_timeout_s,
-                        max_reconnect_attempts=-1,
+                        max_reconnect_attempts=self.cfg.max_reconnect_attempts,
+                        reconnect_time_wait=self.cfg.reconnect_wait_s,
                         allow_reconnect=True,
                         error_cb=self._on_error,
+                        closed_cb=self._on_closed,
                     ),
                     self.cfg.connect_timeout_s,
                 )
                 return self
             except Exception as exc:  # retry boundary: DNS, refused, timeout, TLS, auth ...
                 if attempt == self.cfg.connect_attempts:
-                    raise ConnectionError(f"cannot connect to NATS at {self.url}: {exc!r}") from exc
-                log.warning("NATS connect to %s failed (%r); retry %d in %.1fs", self.url, exc, attempt, backoff_s)
+                    raise ConnectionError(f"cannot connect to NATS at {redact_url(self.url)}: {exc!r}") from exc
+                log.warning("NATS connect to %s failed (%r); retry %d in %.1fs", redact_url(self.url), exc, attempt,
+                            backoff_s)  # fmt: skip
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, self.cfg.max_backoff_s)
         raise AssertionError("unreachable")
 
     async def _on_error(self, exc: Exception) -> None:
-        log.warning("NATS %s: %r", self.url, exc)
+        log.warning("NATS %s: %r", redact_url(self.url), exc)
+
+    async def _on_closed(self) -> None:
+        if not self._closing:
+            self._lost = True
+            log.error("NATS %s: connection closed after %d reconnect attempts", redact_url(self.url),
+                      self.cfg.max_reconnect_attempts)  # fmt: skip
+
+    def check(self) -> None:
+        """Raise :class:`ControlPlaneLost` once the connection has closed without :meth:`close` (loops call it, so
+        a process whose NATS is gone exits for its supervisor instead of carrying on deaf)."""
+        if self._lost:
+            raise ControlPlaneLost(f"lost NATS at {redact_url(self.url)}: connection closed after "
+                                   f"{self.cfg.max_reconnect_attempts} reconnect attempts")  # fmt: skip
 
     @property
     def nc(self) -> Any:
@@ -268,6 +304,7 @@ class ControlPlane:
         return await self.nc.subscribe(subject, cb=on_msg)
 
     async def close(self) -> None:
+        self._closing = True
         if self._nc is not None and not self._nc.is_closed:
             await self._nc.drain()
         self._nc = None

@@ -17,6 +17,13 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
         print(f"{prog}: config error: run.redis_url and run.nats_url (or ASYNC_RL_REDIS_URL / ASYNC_RL_NATS_URL) "
               "are required: a generator joins an existing run", file=sys.stderr)  # fmt: skip
         return 2
+    from async_rl.reach import Unreachable, check_servers
+
+    try:  # before the engine is built: a server that is not there is named within seconds
+        check_servers(cfg.run.redis_url, cfg.run.nats_url)
+    except Unreachable as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
     setup_logging(args.log_level, f"gen[{cfg.generator_id}]")
     import asyncio
 

@@ -44,6 +44,7 @@ from async_rl.algorithms.batch import MicroBatch, TrainSample
 from async_rl.configurable import to_dict
 from async_rl.control import ControlPlane, LearnerProgress
 from async_rl.metrics import MetricsLogger, read_metrics
+from async_rl.reach import redis_client
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.transport import make_transport
@@ -152,7 +153,7 @@ class Learner:
                 self.reward_history = list(restored.extra.get("reward_history", []))
                 log.info("resumed from checkpoint: step %d, version %d, %d groups trained",
                          restored.step, restored.version, len(restored.seen_group_ids))  # fmt: skip
-        self._redis = aioredis.Redis.from_url(cfg.run.redis_url)
+        self._redis = redis_client(cfg.run.redis_url)  # bounded retries, then the error (async_rl.reach)
         self._control = await ControlPlane(cfg.run.nats_url, name="learner", cfg=cfg.control).connect()
         transport = make_transport(cfg.transport, cfg.run.redis_url, names)
         self._publisher = WeightPublisher(self._redis, transport, names, cfg.publisher, self._control)
@@ -251,6 +252,8 @@ class Learner:
         taken_prompts: set[str] = set()
         seen = _Union(self.state.seen_group_ids, taken)
         while len(batch) < cfg.batch_groups and not self.stop_event.is_set():
+            assert self._control is not None
+            self._control.check()  # NATS gone for good: exit for the supervisor rather than train deaf
             await self._feed_prompts()
             entries = await self._reader.read(CONSUMER, cfg.batch_groups - len(batch), cfg.read_block_ms, seen=seen)
             if not entries:

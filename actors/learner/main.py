@@ -23,6 +23,15 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
         servers = ensure_servers(cfg.run.redis_url, cfg.run.nats_url)
         cfg.run.redis_url, cfg.run.nats_url = servers.redis_url, servers.nats_url
         print(f"{prog}: started embedded servers: {servers.redis_url} {servers.nats_url}", file=sys.stderr)
+    from async_rl.reach import Unreachable, check_servers, describe_failure
+
+    try:  # before anything heavy: a server that is not there is named within seconds
+        check_servers(cfg.run.redis_url, cfg.run.nats_url)
+    except Unreachable as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        if servers is not None:
+            servers.stop()
+        return 1
     save_resolved_config(cfg, cfg.run.run_dir, "learner")
 
     from actors.learner.build import build_backend
@@ -39,7 +48,14 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
             learner.install_signal_handlers()
             await learner.run()
 
-        asyncio.run(_run())
+        try:
+            asyncio.run(_run())
+        except Exception as exc:  # a server lost at run time: one line, non-zero, the supervisor restarts us
+            line = describe_failure(exc, cfg.run.redis_url, cfg.run.nats_url)
+            if line is None:
+                raise
+            print(f"{prog}: {line}; exiting", file=sys.stderr)
+            return 1
     finally:
         backend.close()
         if servers is not None:
