@@ -3,7 +3,8 @@
 Every message is a dataclass with a ``kind`` literal; on the wire it is a msgpack map of its
 fields plus ``kind``. Subjects come from :class:`~async_rl.names.Names`: weight announcements on
 ``weights_subject``, generator heartbeats on ``heartbeat_subject``, commands on
-``control_subject``, learner progress on ``learner_subject``. Core NATS (no JetStream): messages
+``control_subject`` (and the end of the run, :class:`RunEnded`), learner progress on ``learner_subject``, the
+learner's scaling signal on ``scaling_subject``. Core NATS (no JetStream): messages
 are hints and liveness signals, never the only copy of anything (the weight version of record is
 ``weights:latest`` in Redis, which generators also poll).
 """
@@ -125,8 +126,59 @@ class LearnerProgress:
     """Unix time of the event."""
 
 
-Message = WeightsAnnounced | Heartbeat | Control | LearnerProgress
-MESSAGE_TYPES: dict[str, type] = {cls.kind: cls for cls in (WeightsAnnounced, Heartbeat, Control, LearnerProgress)}
+@dataclass(kw_only=True, slots=True)
+class RunEnded:
+    """The learner reached the end of the run (``max_steps`` or ``target_reward``): its generators may leave.
+
+    Sent on ``control_subject`` after the final commit; the record of it is kept in Redis too
+    (:mod:`async_rl.run_end`), so a generator that missed the message, or starts later, still learns it.
+    A learner stopped by a signal is not an end of the run (a successor may resume it) and sends nothing.
+    """
+
+    kind: ClassVar[Literal["run_ended"]] = "run_ended"
+    step: int
+    """Optimizer steps of the run."""
+    version: int
+    """Final weight version."""
+    reason: str
+    """Why the run ended: 'max_steps' | 'target_reward'."""
+    sent_at: float = field(default_factory=time.time)
+    """Unix time the run ended."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ScalingSignal:
+    """How starved the learner is for rollouts, and how many generators would keep it busy (any autoscaler's input).
+
+    Computed by the learner over its last ``scaling.window_steps`` steps (:mod:`async_rl.scaling`), sent on
+    ``scaling_subject`` after every step and kept in Redis for ``async-rl status``.
+    """
+
+    kind: ClassVar[Literal["scaling"]] = "scaling"
+    step: int
+    """Learner step the signal was computed at."""
+    wait_share: float
+    """Share of the learner's wall time spent waiting for rollouts (0: never waits, 1: only waits)."""
+    backlog_groups: int
+    """Groups in the rollout stream not yet read by the learner when it began collecting its last batch."""
+    backlog_batches: float
+    """The same in batches of ``batch_groups``."""
+    generators: int
+    """Generators alive (heartbeats of the last ``scaling.heartbeat_timeout_s``)."""
+    suggested_generators: int
+    """How many generators the policy suggests (equal to ``generators`` when nothing should change)."""
+    decision: str
+    """'up' | 'down' | 'hold', with the policy's thresholds in ``reason``."""
+    reason: str = ""
+    """One line: which threshold decided."""
+    sent_at: float = field(default_factory=time.time)
+    """Unix time of the signal."""
+
+
+Message = WeightsAnnounced | Heartbeat | Control | LearnerProgress | RunEnded | ScalingSignal
+MESSAGE_TYPES: dict[str, type] = {
+    cls.kind: cls for cls in (WeightsAnnounced, Heartbeat, Control, LearnerProgress, RunEnded, ScalingSignal)
+}
 _TYPES_OK: dict[str, tuple[type, ...]] = {
     "int": (int,),
     "float": (float, int),

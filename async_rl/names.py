@@ -139,6 +139,17 @@ class Names:
         """Hash the learner publishes about itself (version, step, started_at)."""
         return self.key("learner", "state")
 
+    @property
+    def run_ended(self) -> str:
+        """String key holding the encoded :class:`~async_rl.control.RunEnded` of a finished run (absent while it
+        runs; a learner that starts or resumes the run deletes it)."""
+        return self.key("run", "ended")
+
+    @property
+    def scaling_state(self) -> str:
+        """String key holding the learner's latest encoded :class:`~async_rl.control.ScalingSignal`."""
+        return self.key("learner", "scaling")
+
     def all_key_pattern(self) -> str:
         return f"{self.prefix}:*"
 
@@ -165,3 +176,8 @@ class Names:
     def learner_subject(self) -> str:
         """Learner progress events (step metrics) for status views and the quickstart."""
         return self.subject("learner")
+
+    @property
+    def scaling_subject(self) -> str:
+        """The learner's scaling signal (wait share, backlog, suggested generators) for autoscalers."""
+        return self.subject("scaling")

@@ -77,6 +77,14 @@ def main(argv: list[str] | None = None, prog: str = "async-rl audit") -> int:
     args = parse_args(argv, prog)
     from redis.exceptions import RedisError
 
+    from async_rl.reach import Unreachable, probe_redis
+
+    try:
+        probe_redis(args.run.redis_url)
+    except Unreachable as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+
     try:
         rep = asyncio.run(report(args.run, args.fates))
     except (RedisError, OSError) as exc:

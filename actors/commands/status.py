@@ -142,6 +142,13 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, prog: str = "async-rl status") -> int:
     args = parse_args(argv, prog)
+    from async_rl.reach import Unreachable, check_servers
+
+    try:
+        check_servers(args.run.redis_url, args.run.nats_url)
+    except Unreachable as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
     try:
         return asyncio.run(_run(args))
     except ConnectionError as exc:

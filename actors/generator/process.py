@@ -5,7 +5,8 @@ score, push one group record, ack the prompt only after the push), ``heartbeat``
 and the weight sync's own fetch/poll tasks. Control messages (pause/resume/drain/stop) and
 SIGTERM/SIGINT set events; shutdown has two phases: stop taking prompts and finish the batch
 in hand within ``drain_timeout_s``, then release whatever is still held so other generators
-take it at once. A SIGKILL loses nothing either: the prompts stay pending in the consumer
+take it at once. When the learner announces the end of the run (:mod:`async_rl.run_end`, on NATS and in
+Redis) the generator drains the same way and exits 0, unless ``on_run_end=wait``. A SIGKILL loses nothing either: the prompts stay pending in the consumer
 group and other generators reclaim them after ``prompts.reclaim_idle_ms``.
 """
 
@@ -26,8 +27,9 @@ import redis.asyncio as aioredis
 from actors.generator.config import GeneratorConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.weight_sync import WeightSync
-from async_rl.control import Control, ControlPlane, Heartbeat, Message
+from async_rl.control import Control, ControlPlane, Heartbeat, Message, RunEnded
 from async_rl.lifecycle import named_task, raise_if_cancel_requested, redact_url
+from async_rl.run_end import read_run_end
 from async_rl.sampling import Sampling
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
@@ -72,6 +74,8 @@ class Generator:
     _abort_event: asyncio.Event
     _done: asyncio.Event
     """Set when the work loop has ended: background loops finish."""
+    run_ended: RunEnded | None
+    """The end of the run, once the learner announced it."""
 
     def __init__(self, cfg: GeneratorConfig) -> None:
         self.cfg = cfg
@@ -91,6 +95,7 @@ class Generator:
         self._prompts = None
         self._held = []
         self._started_at = time.time()
+        self.run_ended = None
 
     # ------------------------------------------------------------------ lifecycle
     async def setup(self, stack: contextlib.AsyncExitStack) -> bool:
@@ -104,7 +109,12 @@ class Generator:
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
         self._control = await ControlPlane(cfg.run.nats_url, name=cfg.generator_id, cfg=cfg.control).connect()
         stack.push_async_callback(self._control.close)
-        await self._control.subscribe(names.control_subject, self._on_control, kinds=(Control,))
+        await self._control.subscribe(names.control_subject, self._on_control, kinds=(Control, RunEnded))
+        ended = await read_run_end(self._redis, names)  # after subscribing: an end sent meanwhile is not missed
+        if ended is not None:
+            self._on_run_end(ended)
+            if self.stop_event.is_set():
+                return False
         self._engine = await asyncio.to_thread(build_engine, cfg)
         stack.push_async_callback(self._engine.close)
         transport = make_transport(cfg.transport, cfg.run.redis_url, names)
@@ -124,7 +134,8 @@ class Generator:
         background task cancels the work and ends the process with its error (:class:`TaskFailed`)."""
         async with contextlib.AsyncExitStack() as stack:
             if not await self.setup(stack):
-                log.info("generator %s: stopped before the first weights arrived", self.cfg.generator_id)
+                log.info("generator %s: stopped before the first weights arrived%s", self.cfg.generator_id,
+                         " (the run has ended)" if self.run_ended else "")  # fmt: skip
                 return
             assert self._sync is not None
             async with asyncio.TaskGroup() as tg:
@@ -170,7 +181,22 @@ class Generator:
             loop.add_signal_handler(sig, self.request_stop)
 
     # ------------------------------------------------------------------ control plane
+    def _on_run_end(self, msg: RunEnded) -> None:
+        if self.run_ended is not None and self.run_ended.sent_at == msg.sent_at:
+            return
+        self.run_ended = msg
+        what = f"run {self.cfg.run.prefix!r} ended at step {msg.step}, version {msg.version} ({msg.reason})"
+        if self.cfg.on_run_end == "wait":
+            log.info("%s; waiting for a successor learner (on_run_end=wait)", what)
+            return
+        log.info("%s; draining and exiting", what)
+        self.state = "draining"
+        self.request_stop()
+
     async def _on_control(self, msg: Message) -> None:
+        if isinstance(msg, RunEnded):
+            self._on_run_end(msg)
+            return
         assert isinstance(msg, Control)
         if not msg.applies_to(self.cfg.generator_id):
             return
@@ -196,7 +222,7 @@ class Generator:
         )  # fmt: skip
 
     async def _heartbeat_loop(self) -> None:
-        assert self._control is not None
+        assert self._control is not None and self._redis is not None
         subject = self.cfg.run.names.heartbeat_subject
         last_tokens, last_t = self.num_tokens, time.monotonic()
         while not self._done.is_set():
@@ -205,6 +231,9 @@ class Generator:
             last_tokens, last_t = self.num_tokens, now
             try:
                 await self._control.publish(subject, self._heartbeat(rate))
+                ended = await read_run_end(self._redis, self.cfg.run.names)  # the record, if NATS missed the end
+                if ended is not None:
+                    self._on_run_end(ended)
                 if self._held and self._prompts is not None:  # still working on them: nobody may reclaim them
                     await self._prompts.touch(self.cfg.generator_id, self._held)
             except Exception as exc:  # retry boundary: NATS reconnects by itself, Redis is retried next beat

@@ -42,9 +42,10 @@ from actors.learner.config import LearnerConfig
 from async_rl.algorithms import broadcast_to_tokens, compute_advantages, make_loss_fn
 from async_rl.algorithms.batch import MicroBatch, TrainSample
 from async_rl.configurable import to_dict
-from async_rl.control import ControlPlane, LearnerProgress
+from async_rl.control import ControlPlane, LearnerProgress, RunEnded
 from async_rl.metrics import MetricsLogger, read_metrics
 from async_rl.reach import redis_client
+from async_rl.run_end import announce_run_end, clear_run_end
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.transport import make_transport
@@ -166,6 +167,7 @@ class Learner:
         self.state.prompts_issued = max(self.state.prompts_issued, issued)
         self._metrics = MetricsLogger(cfg.metrics, cfg.run.run_dir, config=to_dict(cfg), name=cfg.run.prefix)
         await self._finish_restored_commit()
+        await clear_run_end(self._redis, names)  # this learner carries the run on: an earlier end no longer applies
         await self._redis.hset(names.learner_state, mapping={
             "version": self.state.version, "step": self.state.step, "started_at": time.time(),
             "backend": cfg.backend, "model": cfg.model.name,
@@ -198,6 +200,8 @@ class Learner:
                 await self._step(entries)
             if self._unacked:  # the last steps since a checkpoint: commit them before leaving
                 await self._commit()
+            if not self.stop_event.is_set():  # max_steps or target_reward: the run is over, everywhere
+                await self._end_run()
         except Exception as exc:
             # Dying with entries in hand: they are delivered again to the next learner, and the delivery limit
             # sends them to the dead letters with this error if it keeps happening.
@@ -208,6 +212,15 @@ class Learner:
         finally:
             await self.close()
         return self.state
+
+    async def _end_run(self) -> None:
+        """Announce the end of the run (async_rl.run_end): its generators drain and exit."""
+        assert self._redis is not None
+        cfg, step = self.cfg, self.state.step
+        reason = "max_steps" if cfg.max_steps and step >= cfg.max_steps else "target_reward"
+        await announce_run_end(self._redis, self._control, cfg.run.names,
+                               RunEnded(step=step, version=self.state.version, reason=reason))  # fmt: skip
+        log.info("run %s ended (%s) at step %d, version %d", cfg.run.prefix, reason, step, self.state.version)
 
     def _done(self) -> bool:
         cfg = self.cfg

@@ -15,6 +15,8 @@ from async_rl.control import (
     LearnerProgress,
     Message,
     MessageError,
+    RunEnded,
+    ScalingSignal,
     WeightsAnnounced,
     decode,
     encode,
@@ -29,6 +31,9 @@ def test_every_message_kind_round_trips() -> None:
         Heartbeat(generator_id="g1", engine="torch", version=3, tokens_per_s=12.5, in_flight=4, started_at=1.0),
         Control(action="drain", target="g1", reason="scale down"),
         LearnerProgress(step=7, version=3, metrics={"reward": 0.5, "loss": 1.25}),
+        RunEnded(step=40, version=40, reason="max_steps"),
+        ScalingSignal(step=9, wait_share=0.4, backlog_groups=3, backlog_batches=0.375, generators=2,
+                      suggested_generators=4, decision="up", reason="wait share 0.40 > 0.20"),
     ]
     for msg in msgs:
         back = decode(encode(msg))

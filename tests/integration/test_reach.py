@@ -150,3 +150,19 @@ def test_learner_exits_with_one_line_when_a_server_goes_away(servers: ServerSet,
         assert "Traceback" not in log.read_text(errors="replace")
         assert took < 30, (lost, took)
         print(f"\nlost {lost}: exit 1 after {took:.1f} s: {last}")
+
+
+def test_status_and_audit_name_an_unreachable_server(capsys) -> None:
+    from actors.commands.audit import main as audit_main
+    from actors.commands.status import main as status_main
+
+    dead = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    assert status_main(["--prefix", "x", "--redis-url", f"redis://{dead}/0", "--nats-url", f"nats://{dead}"]) == 1
+    assert audit_main(["--prefix", "x", "--redis-url", f"redis://{dead}/0"]) == 1
+    assert time.monotonic() - t0 < 5
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"async-rl status: cannot reach Redis at redis://{dead}/0: nothing is listening on {dead} "
+                   "(connection refused)",
+                   f"async-rl audit: cannot reach Redis at redis://{dead}/0: nothing is listening on {dead} "
+                   "(connection refused)"]  # fmt: skip
