@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -65,6 +66,19 @@ def resolve_wandb_mode(mode: str) -> str:
     return "online" if _wandb_logged_in() else "offline"
 
 
+WANDB_ID_FILE = "wandb-run-id"
+"""File in the run directory holding the wandb run id, so that every restart of the run logs into the same run."""
+
+
+def _wandb_run_id(run_dir: Path) -> str:
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file() and (existing := path.read_text().strip()):
+        return existing
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -76,12 +90,15 @@ class MetricsLogger:
     run_dir: Path
     _run: Any
     _jsonl: Any
+    wandb_mode: str
+    """The mode wandb runs in ('online', 'offline'), or 'disabled'."""
 
     def __init__(self, cfg: MetricsConfig, run_dir: Path, *, config: dict[str, Any], name: str) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self._run = None
         self._jsonl = None
+        self.wandb_mode = "disabled"
         run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.jsonl:
             self._jsonl = (run_dir / METRICS_FILE).open("a", buffering=1)
@@ -92,12 +109,15 @@ class MetricsLogger:
             try:
                 import wandb
 
+                # One wandb run per run directory: a restarted learner resumes it (same id, steps continue).
+                run_id = _wandb_run_id(run_dir)
                 self._run = wandb.init(
                     project=cfg.wandb_project, entity=cfg.wandb_entity, name=cfg.run_name or name, dir=str(run_dir),
-                    mode=mode, config=config,  # type: ignore[arg-type]
+                    mode=mode, config=config, id=run_id, resume="allow",  # type: ignore[arg-type]
                     settings=wandb.Settings(console="off", silent=True),
                 )  # fmt: skip
-                log.info("wandb run %s (%s mode)", cfg.run_name or name, mode)
+                self.wandb_mode = mode
+                log.info("wandb run %s id %s (%s mode)", cfg.run_name or name, run_id, mode)
             except Exception as exc:  # a metrics sink must never take training down
                 log.warning("wandb disabled: %s", exc)
                 self._run = None
@@ -129,8 +149,11 @@ class MetricsLogger:
             self._jsonl.close()
             self._jsonl = None
         if self._run is not None:
+            run_dir = getattr(self._run, "dir", "") or ""
             try:
                 self._run.finish()
             except Exception as exc:  # pragma: no cover
                 log.warning("wandb finish failed: %s", exc)
+            if self.wandb_mode == "offline" and run_dir:  # .../wandb/offline-run-<time>-<id>/files
+                log.info("wandb ran offline: upload with `wandb sync %s`", Path(run_dir).parent)
             self._run = None

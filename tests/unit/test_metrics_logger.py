@@ -1,0 +1,30 @@
+"""Metrics sinks: a restarted learner logs into the same wandb run (offline here: no network), JSONL beside it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from async_rl.metrics import WANDB_ID_FILE, MetricsConfig, MetricsLogger, read_metrics
+
+
+def test_a_restart_resumes_the_same_wandb_run_and_says_how_to_sync(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    pytest.importorskip("wandb")
+    cfg = MetricsConfig(wandb_mode="offline")
+    ids = []
+    for step0 in (1, 3):  # the learner, then the same learner restarted on the same run directory
+        with caplog.at_level(logging.INFO, logger="async_rl.metrics"):
+            m = MetricsLogger(cfg, tmp_path, config={"lr": 1e-3}, name="t")
+            assert m.wandb_mode == "offline" and m._run is not None
+            ids.append(m._run.id)
+            m.log(step0, {"reward": 0.5})
+            m.log(step0 + 1, {"reward": 0.6})
+            m.close()
+    assert ids[0] == ids[1] == (tmp_path / WANDB_ID_FILE).read_text().strip()
+    runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{ids[0]}"))
+    assert runs, sorted(p.name for p in (tmp_path / "wandb").iterdir())
+    assert "wandb sync" in caplog.text and ids[0] in caplog.text
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
