@@ -18,6 +18,9 @@ class PublisherConfig:
     """Complete versions kept visible; older ones are deleted once no reader holds a lease on them."""
     checksum: str = ""
     """Bucket checksum ('xxh3_64' or 'crc32'); empty picks the fastest available (xxh3_64)."""
+    secret_file: str = ""
+    """File holding the run secret that signs every manifest (HMAC-SHA256); empty: $ASYNC_RL_RUN_SECRET_FILE, else
+    $ASYNC_RL_RUN_SECRET, else manifests are not signed (async_rl/weights/signing.py)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.bucket_bytes <= MAX_BUCKET_BYTES:
@@ -37,6 +40,9 @@ class ReaderConfig:
     """Lease on a version being read, renewed every third of it; the publisher will not delete a leased version."""
     prefetch_buckets: int = 1
     """Buckets requested ahead of the one being verified (transfer overlaps the checksum)."""
+    secret_file: str = ""
+    """File holding the run secret: only versions whose manifest HMAC checks are applied. Empty:
+    $ASYNC_RL_RUN_SECRET_FILE, else $ASYNC_RL_RUN_SECRET, else manifests are not checked."""
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0:

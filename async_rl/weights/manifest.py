@@ -18,6 +18,7 @@ import msgpack
 import torch
 
 from async_rl.checksums import CHECKSUMS, checksum_stream, default_checksum  # noqa: F401 - re-exported
+from async_rl.weights.signing import hmac_matches, manifest_hmac
 
 MANIFEST_SCHEMA = 1
 # Tensor offsets inside a bucket are aligned to a cache line, so every dtype's view is aligned.
@@ -42,6 +43,10 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 class ManifestError(ValueError):
     """A manifest that cannot be decoded or is inconsistent."""
+
+
+class ManifestAuthError(ManifestError):
+    """A manifest whose HMAC does not check against the run secret, or that carries none (async_rl.weights.signing)."""
 
 
 @dataclass(slots=True)
@@ -99,7 +104,14 @@ class Manifest:
     def num_buckets(self) -> int:
         return len(self.buckets)
 
-    def encode(self) -> bytes:
+    def encode(self, hmac_key: bytes | None = None) -> bytes:
+        """The manifest's bytes; with ``hmac_key``, wrapped with their HMAC (``{"signed": bytes, "hmac": hex}``)."""
+        body = self._encode_body()
+        if hmac_key is None:
+            return body
+        return msgpack.packb({"signed": body, "hmac": manifest_hmac(hmac_key, body)})
+
+    def _encode_body(self) -> bytes:
         return msgpack.packb(
             {
                 "schema": MANIFEST_SCHEMA,
@@ -114,11 +126,22 @@ class Manifest:
         )
 
     @classmethod
-    def decode(cls, data: bytes | str) -> Manifest:
+    def decode(cls, data: bytes | str, hmac_key: bytes | None = None) -> Manifest:
+        """Decode a manifest; with ``hmac_key`` only a signed one whose HMAC checks (else :class:`ManifestAuthError`)."""
         if not isinstance(data, bytes):
             raise ManifestError("weights manifest must be bytes (is the Redis client decoding responses?)")
         try:
             d: dict[str, Any] = msgpack.unpackb(data)
+            if isinstance(d, dict) and "signed" in d:
+                body = d["signed"]
+                if not isinstance(body, bytes):
+                    raise ManifestError("signed weights manifest: 'signed' must be bytes")
+                if hmac_key is not None and not hmac_matches(hmac_key, body, d.get("hmac")):
+                    raise ManifestAuthError("weights manifest HMAC does not check against the run secret "
+                                            "(a different secret, or not written by this run's learner)")  # fmt: skip
+                d = msgpack.unpackb(body)
+            elif hmac_key is not None:
+                raise ManifestAuthError("weights manifest carries no HMAC, but this reader has a run secret")
             if d.get("schema") != MANIFEST_SCHEMA:
                 raise ManifestError(f"weights manifest schema {d.get('schema')!r} is not {MANIFEST_SCHEMA}")
             m = cls(

@@ -31,6 +31,7 @@ from async_rl.names import Names
 from async_rl.transport import BucketTransport
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.manifest import CHECKSUMS, BucketEntry, Manifest, default_checksum, pack_bucket, plan_buckets
+from async_rl.weights.signing import run_secret
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class WeightPublisher:
     cfg: PublisherConfig
     control: ControlPlane | None
     checksum: str
+    hmac_key: bytes | None
     last_stats: PublishStats | None
     _cleaned: bool
 
@@ -96,6 +98,7 @@ class WeightPublisher:
         self.cfg = cfg or PublisherConfig()
         self.control = control
         self.checksum = self.cfg.checksum or default_checksum()
+        self.hmac_key = run_secret(self.cfg.secret_file)  # None: manifests are not signed
         self.last_stats = None
         self._cleaned = False
 
@@ -178,7 +181,7 @@ class WeightPublisher:
         n = self.names
         await self.redis.eval(
             _COMMIT_LUA, 4, n.weights_manifest(version), n.weights_versions, n.weights_latest, n.weights_staging,
-            manifest.encode(), str(version),
+            manifest.encode(self.hmac_key), str(version),
         )  # fmt: skip
         total_s = time.perf_counter() - t0
         self.last_stats = PublishStats(version, manifest.total_bytes, len(sizes), pack_s, put_s, total_s)

@@ -22,6 +22,7 @@ from async_rl.names import Names
 from async_rl.transport import BucketCorrupt, BucketMissing, BucketTransport
 from async_rl.weights.config import ReaderConfig
 from async_rl.weights.manifest import Manifest, ManifestError, view_tensor
+from async_rl.weights.signing import run_secret
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class WeightReader:
     names: Names
     cfg: ReaderConfig
     reader_id: str
+    hmac_key: bytes | None
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class WeightReader:
         self.names = names
         self.cfg = cfg or ReaderConfig()
         self.reader_id = reader_id or uuid.uuid4().hex
+        self.hmac_key = run_secret(self.cfg.secret_file)  # with a secret, only signed manifests that check
 
     async def latest_version(self) -> int | None:
         """The newest complete version, or None before the first publish."""
@@ -116,7 +119,7 @@ class WeightReader:
             if raw is None:
                 raise VersionUnavailable(f"weights version {version} vanished while leased")
             try:
-                manifest = Manifest.decode(raw)
+                manifest = Manifest.decode(raw, self.hmac_key)
             except ManifestError as exc:
                 raise CorruptVersion(f"weights version {version}: {exc}") from exc
             if manifest.version != version:
