@@ -22,4 +22,5 @@ def build_backend(cfg: LearnerConfig) -> TrainingBackend:
 
     mcfg = dataclasses.replace(cfg.megatron, temperature=temperature)
     hf_state = load_model(cfg.model.name, seed=cfg.model.seed, dtype="float32").state_dict()
-    return MegatronBackend(mcfg, load_model_config(cfg.model.name), hf_state)
+    return MegatronBackend(mcfg, load_model_config(cfg.model.name), hf_state,
+                           reference_model=cfg.algorithm.needs_reference_logprobs)  # fmt: skip

@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from actors.learner.lr_schedule import LR_SCHEDULES, LrSchedule
 from actors.learner.megatron.config import MegatronConfig
 from async_rl.algorithms import AlgorithmConfig
 from async_rl.control import ControlPlaneConfig
 from async_rl.metrics import MetricsConfig
 from async_rl.model_config import DTYPE_NAMES, ModelConfig
+from async_rl.prom import PrometheusConfig
 from async_rl.run_config import RunConfig
 from async_rl.sampling import Sampling
+from async_rl.scaling import ScalingConfig
 from async_rl.tasks.config import TaskConfig
 from async_rl.transport import TransportConfig
 from async_rl.weights.config import PublisherConfig
@@ -49,7 +52,16 @@ class TorchBackendConfig:
     """Optimizer and placement of the torch backend."""
 
     lr: float = 1e-5
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak: the schedule below scales it)."""
+    lr_schedule: LrSchedule = "constant"
+    """After warm-up: ``constant`` keeps ``lr``; ``cosine`` / ``linear`` decay it to ``lr * lr_min_ratio`` over
+    ``lr_decay_steps`` optimizer steps, then hold it there (``actors/learner/lr_schedule.py``)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from ``lr / lr_warmup_steps`` to ``lr`` (0: none)."""
+    lr_decay_steps: int = 0
+    """Optimizer steps of the cosine / linear decay after warm-up (> 0 with those schedules)."""
+    lr_min_ratio: float = 0.0
+    """The lr the decay ends at, as a fraction of ``lr`` (in [0, 1])."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     eps: float = 1e-8
@@ -74,6 +86,16 @@ class TorchBackendConfig:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"learner.torch.lr must be > 0, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"learner.torch.lr_schedule must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"learner.torch.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_decay_steps < 0:
+            raise ValueError(f"learner.torch.lr_decay_steps must be >= 0, got {self.lr_decay_steps}")
+        if self.lr_schedule != "constant" and self.lr_decay_steps == 0:
+            raise ValueError(f"learner.torch.lr_decay_steps must be > 0 with lr_schedule={self.lr_schedule!r}")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ValueError(f"learner.torch.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"learner.torch.betas must be two values in [0, 1), got {self.betas}")
         if not self.eps > 0:
@@ -151,6 +173,10 @@ class LearnerConfig:
     """NATS connection settings."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """wandb and JSONL metrics."""
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+    """Prometheus /metrics endpoint (off while prometheus.port is 0)."""
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    """Thresholds of the scaling signal the learner publishes for autoscalers (async_rl/scaling.py)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint cadence and resume."""
     publish_every: int = 1
@@ -181,9 +207,6 @@ class LearnerConfig:
             raise ValueError("learner.target_window must be >= 1")
         if self.read_block_ms < 1:
             raise ValueError("learner.read_block_ms must be >= 1")
-        if self.backend == "megatron" and self.algorithm.needs_reference_logprobs:
-            raise ValueError("learner.algorithm.loss.kl_coef > 0 needs a reference model, which the megatron backend "
-                             "does not have yet; use backend=torch or kl_coef=0")  # fmt: skip
         if not 0 <= self.admission_lag_versions <= self.staleness.max_staleness:
             raise ValueError("learner.admission_lag_versions must be in [0, staleness.max_staleness]")
         if self.algorithm.advantage.estimator in ("grpo", "rloo") and self.sampling.n < 2:

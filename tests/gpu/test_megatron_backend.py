@@ -280,3 +280,52 @@ def test_save_load_resumes_training(tmp_path) -> None:  # type: ignore[no-untype
     print(f"save/load: resumed vs uninterrupted max|dlp|={d_resume:.3e}; without the checkpoint {d_fresh:.3e}")
     assert d_resume < LP_TOL
     assert d_fresh > 100 * max(d_resume, 1e-6)
+
+
+def test_pad_inside_responses_gives_torch_s_gradient_norm() -> None:
+    """HF pad semantics: the pad row of the word embedding gets no gradient in either backend, so a batch with pad
+    tokens inside responses (a random policy samples them) gives the same step-1 gradient norm (within 1%), and
+    the pad row stays exactly as loaded (zero) in the exported weights."""
+    from actors.learner.megatron.toy import build_hf, make_batch, nll_loss, toy_config
+
+    cfg = toy_config(num_layers=3)
+    cfg.pad_token_id = 0
+    hf = build_hf(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[0].zero_()  # as HF's init does for padding_idx
+    assert hf.model.embed_tokens.padding_idx == 0
+    mb = make_batch(cfg, [40, 33, 28], prompt_len=8, seed=3)
+    mb.input_ids[mb.loss_mask & (torch.rand(mb.input_ids.shape, generator=torch.Generator().manual_seed(1)) < 0.15)] = 0
+    assert int((mb.input_ids[mb.loss_mask] == 0).sum()) > 5
+    tb = _torch_backend(hf)
+    mg = _backend(hf, clip_grad=0.0)
+    tb.config.grad_clip = 0.0
+    t_norm = tb.train_step([mb], nll_loss, replay_routes=False).grad_norm
+    m_norm = mg.train_step([mb], nll_loss, replay_routes=False).grad_norm
+    assert m_norm == pytest.approx(t_norm, rel=0.01), (m_norm, t_norm)
+    exported = dict(mg.export_weights())
+    assert torch.equal(exported["model.embed_tokens.weight"][0], torch.zeros_like(exported["model.embed_tokens.weight"][0]))
+    mg.close()
+
+
+def test_reference_model_gives_the_initial_policy_after_training() -> None:
+    """KL with backend=megatron: the reference forward returns the initial weights' logprobs (as the torch backend's
+    frozen reference does) after training has moved the live weights, and the live weights stay as trained."""
+    from actors.learner.megatron.backend import MegatronBackend
+    from actors.learner.megatron.config import MegatronConfig
+    from actors.learner.megatron.toy import build_hf, make_batch, nll_loss, toy_config
+
+    cfg = toy_config(num_layers=3)
+    hf = build_hf(cfg, dtype=torch.float32)
+    sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
+    mg = MegatronBackend(MegatronConfig(dtype="float32", recompute=False, lr=1e-2), hf.config, sd, reference_model=True)
+    mb = make_batch(cfg, [40, 33, 28], prompt_len=8, seed=5)
+    initial = _torch_backend(hf).forward_logprobs(mb, replay_routes=False).logprobs
+    for _ in range(3):
+        mg.train_step([mb], nll_loss, replay_routes=False)
+    live = mg.forward_logprobs(mb, replay_routes=False).logprobs
+    ref = mg.forward_logprobs(mb, replay_routes=False, reference=True).logprobs
+    assert _valid_diff(ref, initial, mb.loss_mask) < LP_TOL
+    assert _valid_diff(live, initial, mb.loss_mask) > 1e-2  # training moved the live policy
+    assert torch.equal(mg.forward_logprobs(mb, replay_routes=False).logprobs, live)  # swapped back exactly
+    mg.close()

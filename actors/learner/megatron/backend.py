@@ -107,13 +107,19 @@ class MegatronBackend(TrainingBackend):
     te_spec: bool
     dtype: torch.dtype
     device: torch.device
+    _reference: list[torch.Tensor] | None
+    """Frozen initial parameters of this rank (the KL reference policy), or None."""
+    pad_token_id: int | None
+    """The HF config's pad token: its word-embedding row gets no gradient (HF's padding_idx semantics)."""
 
-    def __init__(self, cfg: MegatronConfig, hf_config: object, hf_state_dict: Mapping[str, torch.Tensor] | None = None
-                 ) -> None:  # fmt: skip
+    def __init__(self, cfg: MegatronConfig, hf_config: object, hf_state_dict: Mapping[str, torch.Tensor] | None = None,
+                 *, reference_model: bool = False) -> None:  # fmt: skip
         from megatron.core import parallel_state as ps
 
         self.cfg = cfg
         self.arch = ModelArch.from_hf_config(hf_config)
+        pad = getattr(hf_config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None and 0 <= int(pad) < self.arch.vocab_size else None
         init_distributed(cfg)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
@@ -161,6 +167,9 @@ class MegatronBackend(TrainingBackend):
             )
         if hf_state_dict is not None:
             self._load_global(hf_to_mcore(hf_state_dict, self.arch))
+        # The reference policy (KL penalty): a frozen copy of this rank's initial parameters, on the same device;
+        # a reference forward swaps it in and out (pointer swaps, no copies), so it costs one model's memory.
+        self._reference = [p.detach().clone() for p in self.gpt.parameters()] if reference_model else None
         self._build_ddp_and_optimizer()
 
     # ------------------------------------------------------------------------------------------ building
@@ -430,13 +439,29 @@ class MegatronBackend(TrainingBackend):
     @torch.no_grad()
     def forward_logprobs(self, mb: MicroBatch, *, replay_routes: bool = True, with_entropy: bool = False,
                          reference: bool = False) -> ForwardOutput:  # fmt: skip
-        if reference:
-            raise ValueError("the Megatron backend keeps no reference model; compute reference logprobs elsewhere")
-        p = self._command("forward_logprobs", {"mb": mb, "replay_routes": replay_routes, "with_entropy": with_entropy})
+        if reference and self._reference is None:
+            raise ValueError("this Megatron backend was built without a reference model (reference_model=False)")
+        p = self._command("forward_logprobs", {"mb": mb, "replay_routes": replay_routes, "with_entropy": with_entropy,
+                                               "reference": reference})  # fmt: skip
         return self._forward_logprobs(**p)
 
+    def _swap_reference(self) -> None:
+        """Exchange the live parameters' storage with the frozen reference copy (call twice to undo)."""
+        assert self._reference is not None
+        for i, p in enumerate(self.gpt.parameters()):
+            live = p.data
+            p.data = self._reference[i]
+            self._reference[i] = live
+
     @torch.no_grad()
-    def _forward_logprobs(self, mb: MicroBatch, replay_routes: bool, with_entropy: bool) -> ForwardOutput:
+    def _forward_logprobs(self, mb: MicroBatch, replay_routes: bool, with_entropy: bool, reference: bool = False
+                          ) -> ForwardOutput:  # fmt: skip
+        if reference:
+            self._swap_reference()
+            try:
+                return self._forward_logprobs(mb, replay_routes, with_entropy)
+            finally:
+                self._swap_reference()
         item = self._share(mb, replay_routes)
         got: list[ForwardOutput] = []
 
@@ -498,6 +523,7 @@ class MegatronBackend(TrainingBackend):
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._run_schedule(items, loss_func, forward_only=False, replaying=replay_routes)
+        self._freeze_pad_row()
         # Megatron's optimizer checks the gradients for inf/nan itself and leaves parameters and state untouched
         # when it finds any (ok=False): the contract's skipped step (actors/learner/backend.py).
         ok, grad_norm, _ = self.optimizer.step()
@@ -515,6 +541,26 @@ class MegatronBackend(TrainingBackend):
             "train_tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
         })  # fmt: skip
         return StepResult(metrics=avg, grad_norm=gn, num_tokens=num_tokens)
+
+    def _freeze_pad_row(self) -> None:
+        """Hugging Face's pad semantics: ``nn.Embedding(padding_idx=pad)`` gives the pad token's word-embedding row
+        no gradient, so it stays as loaded (zero in HF models) and is exported unchanged. Megatron's embedding has
+        no padding_idx: its pad row would get the gradient of RMSNorm at x = 0 (about 1/sqrt(eps), ~1000x the rest)
+        whenever a pad token sits inside a sequence, and dominate the clipped gradient norm. With untied
+        embeddings the row's whole gradient is the lookup's, so zeroing it before the norm and the step is exact.
+        (Tied embeddings also carry the LM head's gradient in that row, as in HF: not zeroed; see docs/megatron.md.)"""
+        pad = self.pad_token_id
+        if pad is None or not self.is_first or self.arch.tie_embeddings:
+            return
+        emb = self.gpt.embedding.word_embeddings
+        lo, hi = int(emb.vocab_start_index), int(emb.vocab_end_index)
+        if lo <= pad < hi:
+            w = emb.weight
+            grad = getattr(w, "main_grad", None)
+            if grad is None:
+                grad = w.grad
+            if grad is not None:
+                grad[pad - lo].zero_()
 
     @torch.no_grad()
     def record_routes(self, mb: MicroBatch) -> list[np.ndarray]:
