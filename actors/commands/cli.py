@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generator": ("actors.generator.main:main", "turn prompts into scored groups (start any number, any time)"),
     "status": ("actors.commands.status:main", "live view of generators, streams, versions and staleness"),
     "audit": ("actors.commands.audit:main", "check that every issued prompt has a fate (trained, dropped, dead letter)"),
+    "acl": ("actors.commands.acl:main", "write a Valkey/Redis ACL file: least privilege per role of a run"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "buffer": ("actors.commands.bench.buffer:main", "rollout-stream throughput vs raw bytes and JSON encodings"),

@@ -1,0 +1,137 @@
+"""``async-rl acl`` on a real Valkey: each role runs its own code paths with its credentials; a generator's
+credentials cannot write prompts, delete keys, write weights, or touch another prefix."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import redis.asyncio as aioredis
+import torch
+from redis.exceptions import NoPermissionError, ResponseError
+
+from actors.commands.acl import main as acl_main
+from async_rl.names import Names
+from async_rl.servers import EmbeddedServer, _spawn, free_port, valkey_binary
+from async_rl.transport import RedisTransport
+from async_rl.weights import WeightPublisher, WeightReader
+from async_rl.wire import PromptSpec
+from buffer.audit import audit_run
+from buffer.entry_checks import EntryChecker, ModelFacts
+from buffer.prompts import PromptQueue, PromptQueueConfig
+from buffer.rollouts import RolloutReader, RolloutWriter, RolloutWriterConfig
+from buffer.stats import buffer_stats
+from tests.integration.poison import valid_record
+
+FACTS = ModelFacts(vocab_size=22, max_seq_len=64, num_moe_layers=2, top_k=2, num_experts=4)
+
+
+@pytest.fixture
+def locked(tmp_path: Path) -> Iterator[tuple[Names, dict[str, str]]]:
+    """A Valkey loaded with the ACL file ``async-rl acl`` wrote for a fresh run prefix; role -> URL."""
+    names = Names(prefix=f"t-acl-{uuid.uuid4().hex[:8]}")
+    assert acl_main(["--run", names.prefix, "--out", str(tmp_path / "acl")]) == 0
+    acl = tmp_path / "acl" / "users.acl"
+    port = free_port()
+    proc = _spawn("valkey", [str(valkey_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path), "--aclfile", str(acl)], port, tmp_path)  # fmt: skip
+    server = EmbeddedServer("valkey", f"redis://127.0.0.1:{port}/0", proc, tmp_path / "data", tmp_path / "valkey.log")
+    urls = {}
+    for role in ("learner", "generator", "reader", "admin"):
+        password = (tmp_path / "acl" / f"{role}.password").read_text().strip()
+        assert (tmp_path / "acl" / f"{role}.password").stat().st_mode & 0o077 == 0
+        assert password not in acl.read_text()  # only its hash is in the ACL file
+        urls[role] = f"redis://{names.prefix}-{role}:{password}@127.0.0.1:{port}/0"
+    yield names, urls
+    server.stop()
+
+
+async def test_each_role_runs_its_code_paths_and_nothing_more(locked: tuple[Names, dict[str, str]]) -> None:
+    names, urls = locked
+    learner = aioredis.Redis.from_url(urls["learner"])
+    gen = aioredis.Redis.from_url(urls["generator"])
+    reader_client = aioredis.Redis.from_url(urls["reader"])
+    try:
+        # Learner: issues prompts, publishes weights.
+        specs = [PromptSpec(f"p{i}", np.array([1, 2, 3], dtype=np.int32)) for i in range(4)]
+        await PromptQueue(learner, names).issue(specs, version=0)
+        # A poison prompt, issued by hand (undecodable spec): the generator's dead letter gives it its fate.
+        await learner.hset(names.audit_open, "p-bad", "0-0|0|0")
+        await learner.hincrby(names.audit_counters, "issued", 1)
+        await learner.xadd(names.prompts_stream, {b"spec": b"\x93bad", b"pid": b"p-bad"})
+        weights = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+        await WeightPublisher(learner, RedisTransport(urls["learner"], names), names).publish(weights, 0)
+        # Generator: reads (and sets the poison prompt aside), appends inline and by key, acks, touches, releases,
+        # reads weights under a lease.
+        q = PromptQueue(gen, names, PromptQueueConfig(reclaim_idle_ms=1))
+        got = await q.read("gen-a", count=10)
+        assert [e.spec.prompt_id for e in got] == ["p0", "p1", "p2", "p3"]
+        assert await q.touch("gen-a", got[:1]) == 1
+        small = RolloutWriter(gen, names)
+        large = RolloutWriter(gen, names, RolloutWriterConfig(inline_max_bytes=0))
+        for i, e in enumerate(got[:3]):
+            rec = valid_record(e.spec.prompt_id, e.spec.prompt_ids, FACTS, version=0, num_samples=2, seed=i)
+            await (large if i == 2 else small).append(rec)
+        assert await q.ack(got[:3]) == 3
+        assert await q.release(got[3:]) == 1
+        fetched = await WeightReader(gen, RedisTransport(urls["generator"], names), names).fetch()
+        assert torch.equal(fetched.tensors["w"], weights["w"])
+        # Learner: reads, checks, commits.
+        r = RolloutReader(learner, names, checker=EntryChecker(FACTS, num_samples=2, max_version=0),
+                          check_issued=True)  # fmt: skip
+        entries = await r.read("learner", count=10)
+        assert len(entries) == 3
+        await r.ack(entries, fates=[(e.record.prompt_id, "step 1") for e in entries])
+        # Reader (status, audit): reads everything of the run, writes nothing.
+        report = await audit_run(reader_client, names)
+        assert report["ok"] and report["counters"] == {"issued": 5, "trained": 3, "dropped_stale": 0,
+                                                       "dead_lettered": 1, "in_flight": 1}  # fmt: skip
+        assert (await buffer_stats(reader_client, names))["rollouts"]["consumed"] == 3
+        with pytest.raises(NoPermissionError):
+            await reader_client.xadd(names.rollouts_stream, {b"x": b"1"})
+    finally:
+        for c in (learner, gen, reader_client):
+            await c.aclose()
+
+
+def test_a_generator_cannot_write_prompts_delete_keys_or_leave_its_prefix(
+    locked: tuple[Names, dict[str, str]],
+) -> None:
+    names, urls = locked
+    admin = redis.Redis.from_url(urls["admin"])
+    other = Names(prefix="t-other-run")
+    admin.set(other.weights_latest, b"7")
+    admin.set(names.rollout_payload("ab" * 16), b"payload")
+    admin.set(names.weights_manifest(0), b"manifest")
+    gen = redis.Redis.from_url(urls["generator"])
+    denied = [
+        ("XADD", names.prompts_stream, "*", "spec", "x"),  # write prompts
+        ("DEL", names.rollout_payload("ab" * 16)),  # delete keys
+        ("UNLINK", names.rollouts_stream),
+        ("SET", names.weights_latest, "99"),  # write weights
+        ("SET", names.weights_bucket(0, 0), "x"),
+        ("HSET", names.learner_state, "step", "1"),
+        ("GET", other.weights_latest),  # another prefix
+        ("SET", other.rollout_payload("cd" * 16), "x"),
+        ("XADD", other.rollouts_stream, "*", "rec", "x"),
+        ("FLUSHALL",), ("KEYS", "*"), ("CONFIG", "GET", "*"), ("SCAN", "0"), ("ACL", "LIST"),  # administration
+        ("EVAL", "return redis.call('DEL', KEYS[1])", "1", names.rollout_payload("ab" * 16)),  # through a script
+        ("EVAL", "return redis.call('PEXPIREAT', KEYS[1], 1)", "2", names.weights_manifest(0), names.weights_readers(0)),
+        ("EVAL", "return redis.call('SET', KEYS[1], 'x')", "2", names.weights_manifest(0), names.weights_readers(0)),
+        ("PEXPIREAT", names.weights_manifest(0), "1"),
+    ]
+    for cmd in denied:
+        with pytest.raises((NoPermissionError, ResponseError)) as info:
+            gen.execute_command(*cmd)
+        assert "permission" in str(info.value).lower() or "NOPERM" in str(info.value), (cmd, info.value)
+    assert admin.get(other.weights_latest) == b"7" and admin.get(names.rollout_payload("ab" * 16)) == b"payload"
+    assert admin.get(names.weights_manifest(0)) == b"manifest" and admin.ttl(names.weights_manifest(0)) == -1
+    # Wrong password: refused.
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(urls["generator"].replace(":", ":x", 2).replace("redis:x//", "redis://")).ping()
+    gen.close()
+    admin.close()
