@@ -47,6 +47,7 @@ async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) 
         learner = {k.decode(): v.decode() for k, v in raw_state.items()}
         versions = [int(v) for v in await client.zrange(names.weights_versions, 0, -1)]  # type: ignore[arg-type]
         latest = await client.get(names.weights_latest)
+        scaling = await client.get(names.scaling_state)
     finally:
         await client.aclose()
     now = time.time()
@@ -64,7 +65,23 @@ async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) 
         "weights": {"latest": int(latest) if latest else None, "kept": versions},
         "generators": gens,
         "buffer": stats,
+        "scaling": _scaling(scaling),
     }
+
+
+def _scaling(raw: Any) -> dict[str, Any] | None:
+    """The learner's latest scaling signal (async_rl.scaling) as plain data, or None before its first step."""
+    import dataclasses
+
+    from async_rl.control import MessageError, ScalingSignal, decode
+
+    if not isinstance(raw, bytes):
+        return None
+    try:
+        msg = decode(raw)
+    except MessageError:
+        return None
+    return dataclasses.asdict(msg) if isinstance(msg, ScalingSignal) else None
 
 
 def render(snap: dict[str, Any]) -> Any:
@@ -94,6 +111,14 @@ def render(snap: dict[str, Any]) -> Any:
                      str(v - g["version"]), f"{g['tokens_per_s']:.0f}", str(g["in_flight"]), f"{g['last_seen_s']}s",
                      style=style)  # fmt: skip
     parts: list[Any] = [head, fates, gens]
+    s = snap["scaling"]
+    if s:
+        sc = Table(title=f"scaling signal (step {s['step']}): {s['reason']}")
+        for col in ("learner waits", "backlog (batches)", "generators alive", "suggested", "decision"):
+            sc.add_column(col, justify="right")
+        sc.add_row(f"{s['wait_share']:.0%}", f"{s['backlog_groups']} ({s['backlog_batches']:.2f})",
+                   str(s["generators"]), str(s["suggested_generators"]), s["decision"])  # fmt: skip
+        parts.insert(1, sc)
     if b["dead_letters"]["latest"]:
         dl = Table(title="latest dead letters")
         for col in ("source", "id", "generator", "reason", "error"):

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from async_rl.control import ControlPlaneConfig
 from async_rl.model_config import ModelConfig
+from async_rl.prom import PrometheusConfig
 from async_rl.run_config import RunConfig
 from async_rl.sampling import Sampling
 from async_rl.tasks.config import TaskConfig
@@ -167,6 +168,8 @@ class GeneratorConfig:
     """Transport of weight bucket bytes (must match the learner's)."""
     control: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
     """NATS connection settings."""
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+    """Prometheus /metrics endpoint (off while prometheus.port is 0)."""
     heartbeat_interval_s: float = 2.0
     """Seconds between heartbeats on NATS."""
     read_block_ms: int = 1000

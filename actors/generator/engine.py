@@ -70,6 +70,8 @@ class Engine(abc.ABC):
     """An inference engine. Implementations: ``TorchEngine``, ``VLLMEngine``."""
 
     name: str = "engine"
+    last_swap_pause_s: float = 0.0
+    """Time generation stood still for the last weight swap (engines set it when they swap)."""
 
     @property
     @abc.abstractmethod

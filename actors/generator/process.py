@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 
 from actors.generator.config import GeneratorConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
+from actors.generator.metrics import GeneratorMetrics
 from actors.generator.weight_sync import WeightSync
 from async_rl.control import Control, ControlPlane, Heartbeat, Message, RunEnded
 from async_rl.lifecycle import named_task, raise_if_cancel_requested, redact_url
@@ -76,6 +77,8 @@ class Generator:
     """Set when the work loop has ended: background loops finish."""
     run_ended: RunEnded | None
     """The end of the run, once the learner announced it."""
+    _metrics: GeneratorMetrics
+    """Prometheus /metrics (a no-op unless prometheus.port is set)."""
 
     def __init__(self, cfg: GeneratorConfig) -> None:
         self.cfg = cfg
@@ -96,6 +99,7 @@ class Generator:
         self._held = []
         self._started_at = time.time()
         self.run_ended = None
+        self._metrics = GeneratorMetrics(cfg)
 
     # ------------------------------------------------------------------ lifecycle
     async def setup(self, stack: contextlib.AsyncExitStack) -> bool:
@@ -104,6 +108,8 @@ class Generator:
         cfg, names = self.cfg, self.cfg.run.names
         assert cfg.run.redis_url and cfg.run.nats_url, "URLs are resolved by the entry point"
         self._task = build_task(cfg.task)
+        self._metrics.start()
+        stack.callback(self._metrics.close)
         self._redis = aioredis.Redis.from_url(cfg.run.redis_url)
         stack.push_async_callback(self._redis.aclose)
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
@@ -230,7 +236,9 @@ class Generator:
             rate = (self.num_tokens - last_tokens) / max(now - last_t, 1e-6)
             last_tokens, last_t = self.num_tokens, now
             try:
-                await self._control.publish(subject, self._heartbeat(rate))
+                beat = self._heartbeat(rate)
+                await self._control.publish(subject, beat)
+                self._metrics.beat(beat, self._sync, self._engine)
                 ended = await read_run_end(self._redis, self.cfg.run.names)  # the record, if NATS missed the end
                 if ended is not None:
                     self._on_run_end(ended)
@@ -292,6 +300,7 @@ class Generator:
                 self._held = [h for h in self._held if h.entry_id != entry.entry_id]
                 self.num_prompts += 1
                 self.num_tokens += sum(int(c.token_ids.size) for c in completions)
+                self._metrics.generated(1, sum(int(c.token_ids.size) for c in completions))
 
     def _sampling(self, entry: PromptEntry) -> Sampling:
         """Sampling of a prompt: the learner's (carried in the prompt record), else this generator's own."""

@@ -39,6 +39,7 @@ from actors.learner.backend import TrainingBackend
 from actors.learner.batching import make_micro_batches
 from actors.learner.checkpoint import CheckpointManager, LearnerState
 from actors.learner.config import LearnerConfig
+from actors.learner.signals import LearnerSignals
 from async_rl.algorithms import broadcast_to_tokens, compute_advantages, make_loss_fn
 from async_rl.algorithms.batch import MicroBatch, TrainSample
 from async_rl.configurable import to_dict
@@ -101,6 +102,7 @@ class Learner:
     reward_history: list[float]
     _redis: aioredis.Redis | None
     _control: ControlPlane | None
+    _signals: LearnerSignals
     _publisher: WeightPublisher | None
     _prompts: PromptQueue | None
     _reader: RolloutReader | None
@@ -121,6 +123,7 @@ class Learner:
         self.reward_history = []
         self._redis = None
         self._control = None
+        self._signals = LearnerSignals(cfg)  # /metrics and the scaling signal
         self._publisher = None
         self._prompts = None
         self._reader = None
@@ -156,6 +159,7 @@ class Learner:
                          restored.step, restored.version, len(restored.seen_group_ids))  # fmt: skip
         self._redis = redis_client(cfg.run.redis_url)  # bounded retries, then the error (async_rl.reach)
         self._control = await ControlPlane(cfg.run.nats_url, name="learner", cfg=cfg.control).connect()
+        await self._signals.start(self._redis, self._control)
         transport = make_transport(cfg.transport, cfg.run.redis_url, names)
         self._publisher = WeightPublisher(self._redis, transport, names, cfg.publisher, self._control)
         await self._publisher.clean_staging()
@@ -180,6 +184,7 @@ class Learner:
         self._checker.max_version = max(self.state.version, self.state.published_version)
 
     async def close(self) -> None:
+        self._signals.close()
         if self._metrics is not None:
             self._metrics.close()
         if self._control is not None:
@@ -194,9 +199,11 @@ class Learner:
         await self.setup()
         try:
             while not self.stop_event.is_set() and not self._done():
+                t0 = time.monotonic()
                 entries = await self._collect_batch()
                 if not entries:
                     continue
+                self._signals.batch_ready(waited_s=time.monotonic() - t0)
                 await self._step(entries)
             if self._unacked:  # the last steps since a checkpoint: commit them before leaving
                 await self._commit()
@@ -352,6 +359,7 @@ class Learner:
             await self._control.publish(self.cfg.run.names.learner_subject,
                                         LearnerProgress(step=self.state.step, version=self.state.version,
                                                         metrics=scalars))  # fmt: skip
+        await self._signals.stepped(step, metrics, [version_before - g.min_version for g in groups])
         log.info("step %d v%d reward %.3f loss %.4f staleness<=%d groups %d tokens %d %.2fs",
                  self.state.step, self.state.version, reward_mean, result.metrics.get("loss", float("nan")),
                  metrics["staleness_group_max"], len(groups), num_tokens, time.monotonic() - t0)  # fmt: skip

@@ -1,0 +1,165 @@
+"""What the learner tells the outside after each step, besides wandb: ``/metrics`` and the scaling signal.
+
+* **Prometheus** (``prometheus.port``, off by default; :mod:`async_rl.prom`): steps, versions, a histogram of
+  group staleness, tokens/s, the rollout backlog, dead letters and prompt fates, the wait share, generators
+  alive and the suggested number of generators.
+* **Scaling signal** (:mod:`async_rl.scaling`): the share of time the learner waited for rollouts, the backlog and
+  a suggested number of generators, sent as a :class:`~async_rl.control.ScalingSignal` on ``scaling_subject`` and
+  kept under ``names.scaling_state`` in Redis (``async-rl status`` shows it). Generators alive are counted from
+  their heartbeats on NATS.
+
+Both are informational: a failure here is logged and never stops training.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from actors.learner.config import LearnerConfig
+from async_rl.control import ControlPlane, Heartbeat, Message, ScalingSignal, encode
+from async_rl.prom import Exporter, Metric
+from async_rl.scaling import StarvationWindow, suggest
+
+log = logging.getLogger(__name__)
+
+LEARNER_METRICS: dict[str, Metric] = {
+    "async_rl_learner_steps_total": Metric("counter", "Optimizer steps taken by this learner process."),
+    "async_rl_learner_step": Metric("gauge", "Optimizer steps of the run (restored from checkpoints)."),
+    "async_rl_learner_version": Metric("gauge", "Weight version after the last step."),
+    "async_rl_learner_published_version": Metric("gauge", "Newest weight version published."),
+    "async_rl_learner_group_staleness_versions": Metric(
+        "histogram", "Learner version minus a trained group's oldest token version.",
+        buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32)),  # fmt: skip
+    "async_rl_learner_tokens_total": Metric("counter", "Tokens (prompt + response) trained on."),
+    "async_rl_learner_tokens_per_second": Metric("gauge", "Tokens per second of the last step's training."),
+    "async_rl_learner_step_seconds": Metric("gauge", "Wall time of the last step (training, commit, publish)."),
+    "async_rl_learner_reward": Metric("gauge", "Mean reward of the last step's samples."),
+    "async_rl_learner_wait_share": Metric("gauge", "Share of time spent waiting for rollouts (scaling window)."),
+    "async_rl_learner_rollout_backlog_groups": Metric("gauge", "Groups appended and not yet read by the learner."),
+    "async_rl_learner_generators_alive": Metric("gauge", "Generators with a recent heartbeat."),
+    "async_rl_learner_suggested_generators": Metric("gauge", "Generators the scaling policy suggests."),
+    "async_rl_learner_dead_letters": Metric("gauge", "Rollout entries sent to the dead letters (run total)."),
+    "async_rl_learner_prompts_dropped_stale": Metric("gauge", "Prompts whose group was dropped over the bound."),
+    "async_rl_learner_prompts_in_flight": Metric("gauge", "Prompts issued and not yet finished."),
+}
+
+
+class LearnerSignals:
+    """Prometheus metrics and the scaling signal of one learner (see the module docstring)."""
+
+    cfg: LearnerConfig
+    exporter: Exporter
+    window: StarvationWindow
+    last: ScalingSignal | None
+    _redis: aioredis.Redis | None
+    _control: ControlPlane | None
+    _beats: dict[str, Heartbeat]
+    _batch_ready_at: float
+    _waited_s: float
+
+    def __init__(self, cfg: LearnerConfig) -> None:
+        self.cfg = cfg
+        self.exporter = Exporter(cfg.prometheus, LEARNER_METRICS, {"run": cfg.run.prefix})
+        self.window = StarvationWindow(cfg.scaling.window_steps)
+        self.last = None
+        self._redis = None
+        self._control = None
+        self._beats = {}
+        self._batch_ready_at = time.monotonic()
+        self._waited_s = 0.0
+
+    async def start(self, redis: aioredis.Redis, control: ControlPlane) -> None:
+        self._redis, self._control = redis, control
+        self.exporter.start()
+        await control.subscribe(self.cfg.run.names.heartbeat_subject, self._on_heartbeat, kinds=(Heartbeat,))
+
+    async def _on_heartbeat(self, msg: Message) -> None:
+        assert isinstance(msg, Heartbeat)
+        self._beats[msg.generator_id] = msg
+
+    def generators_alive(self) -> int:
+        now = time.time()
+        timeout_s = self.cfg.scaling.heartbeat_timeout_s
+        for gid in [g for g, h in self._beats.items() if now - h.sent_at > 10 * timeout_s]:
+            del self._beats[gid]  # long gone: forget them
+        return sum(1 for h in self._beats.values() if now - h.sent_at < timeout_s and h.state != "stopping")
+
+    def batch_ready(self, waited_s: float) -> None:
+        """The learner has its batch after waiting ``waited_s`` for it; training starts now."""
+        self._waited_s = waited_s
+        self._batch_ready_at = time.monotonic()
+
+    async def stepped(self, step: int, metrics: dict[str, Any], staleness: list[int]) -> None:
+        """After a step (its metrics row, each trained group's staleness): update /metrics, send the signal."""
+        trained_s = time.monotonic() - self._batch_ready_at
+        try:
+            backlog = await self._backlog_groups()
+            self.window.add(self._waited_s, trained_s, backlog / self.cfg.batch_groups)
+            self.last = self._signal(step, backlog)
+            self._export(metrics, staleness, self.last)
+            await self._send(self.last)
+        except Exception as exc:  # informational: never stop training over it
+            log.warning("scaling signal / metrics of step %d failed: %r", step, exc)
+
+    async def _backlog_groups(self) -> int:
+        """Entries of the rollout stream not yet delivered to the learner's group (its lag); the stream's length
+        minus what the group holds pending when the server does not report the lag."""
+        assert self._redis is not None
+        names = self.cfg.run.names
+        try:
+            groups = await self._redis.xinfo_groups(names.rollouts_stream)
+        except ResponseError:  # no stream yet
+            return 0
+        for g in groups:
+            name = g.get("name")
+            if (name.decode() if isinstance(name, bytes) else name) != names.rollouts_group:
+                continue
+            if g.get("lag") is not None:
+                return int(g["lag"])
+            return max(int(await self._redis.xlen(names.rollouts_stream)) - int(g.get("pending", 0)), 0)
+        return int(await self._redis.xlen(names.rollouts_stream))
+
+    def _signal(self, step: int, backlog: int) -> ScalingSignal:
+        cfg = self.cfg
+        n = self.generators_alive()
+        share, low = self.window.wait_share, self.window.min_backlog_batches
+        s = suggest(cfg.scaling, generators=n, wait_share=share, min_backlog_batches=low)
+        return ScalingSignal(step=step, wait_share=round(share, 4), backlog_groups=backlog,
+                             backlog_batches=round(backlog / cfg.batch_groups, 3), generators=n,
+                             suggested_generators=s.generators, decision=s.decision, reason=s.reason)  # fmt: skip
+
+    def _export(self, metrics: dict[str, Any], staleness: list[int], sig: ScalingSignal) -> None:
+        e = self.exporter
+        if not e.enabled:
+            return
+        e.inc("async_rl_learner_steps_total")
+        e.set("async_rl_learner_step", sig.step)
+        e.set("async_rl_learner_version", float(metrics["version"]))
+        e.set("async_rl_learner_published_version", float(metrics["published_version"]))
+        for lag in staleness:
+            e.observe("async_rl_learner_group_staleness_versions", lag)
+        e.inc("async_rl_learner_tokens_total", float(metrics["tokens"]))
+        e.set("async_rl_learner_tokens_per_second", float(metrics["tokens_per_s"]))
+        e.set("async_rl_learner_step_seconds", float(metrics["step_s"]))
+        e.set("async_rl_learner_reward", float(metrics["reward"]))
+        e.set("async_rl_learner_wait_share", sig.wait_share)
+        e.set("async_rl_learner_rollout_backlog_groups", sig.backlog_groups)
+        e.set("async_rl_learner_generators_alive", sig.generators)
+        e.set("async_rl_learner_suggested_generators", sig.suggested_generators)
+        e.set("async_rl_learner_dead_letters", float(metrics.get("buffer/dead_letters", 0)))
+        e.set("async_rl_learner_prompts_dropped_stale", float(metrics.get("buffer/audit_dropped_stale", 0)))
+        e.set("async_rl_learner_prompts_in_flight", float(metrics.get("buffer/audit_in_flight", 0)))
+
+    async def _send(self, sig: ScalingSignal) -> None:
+        assert self._redis is not None and self._control is not None
+        names = self.cfg.run.names
+        await self._redis.set(names.scaling_state, encode(sig))
+        await self._control.publish(names.scaling_subject, sig)
+
+    def close(self) -> None:
+        self.exporter.close()
