@@ -26,6 +26,19 @@ def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def public_config(cfg: Any) -> dict[str, Any]:
+    """``to_dict(cfg)`` with the credentials of every URL field (``*_url``) redacted: what is printed, saved with
+    the run and sent to wandb (passwords and tokens never are)."""
+    from async_rl.lifecycle import redact_url
+
+    def walk(d: Any) -> Any:
+        if isinstance(d, dict):
+            return {k: redact_url(v) if k.endswith("_url") and isinstance(v, str) else walk(v) for k, v in d.items()}
+        return d
+
+    return walk(to_dict(cfg))
+
+
 def parse_config(cls: type[T], args: argparse.Namespace, prog: str) -> T:
     """Load and validate the config; a mistake exits with a one-line message naming the field."""
     try:
@@ -34,7 +47,7 @@ def parse_config(cls: type[T], args: argparse.Namespace, prog: str) -> T:
         print(f"{prog}: config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.print_config:
-        print(json.dumps(to_dict(cfg), indent=2))
+        print(json.dumps(public_config(cfg), indent=2))
         raise SystemExit(0)
     return cfg
 
@@ -51,5 +64,5 @@ def setup_logging(level: str, name: str) -> None:
 def save_resolved_config(cfg: Any, run_dir: Path, name: str) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / f"{name}-config.json"
-    path.write_text(json.dumps(to_dict(cfg), indent=2))
+    path.write_text(json.dumps(public_config(cfg), indent=2))
     return path

@@ -42,8 +42,8 @@ from actors.learner.config import LearnerConfig
 from actors.learner.signals import LearnerSignals
 from async_rl.algorithms import broadcast_to_tokens, compute_advantages, make_loss_fn
 from async_rl.algorithms.batch import MicroBatch, TrainSample
-from async_rl.configurable import to_dict
 from async_rl.control import ControlPlane, LearnerProgress, RunEnded
+from async_rl.entry import public_config
 from async_rl.metrics import MetricsLogger, read_metrics
 from async_rl.reach import redis_client
 from async_rl.run_end import announce_run_end, clear_run_end
@@ -169,7 +169,8 @@ class Learner:
         issued = (await self._prompts.audit.counters())["issued"]
         # Prompts issued after the checkpoint are in the stream already: never issue an index twice.
         self.state.prompts_issued = max(self.state.prompts_issued, issued)
-        self._metrics = MetricsLogger(cfg.metrics, cfg.run.run_dir, config=to_dict(cfg), name=cfg.run.prefix)
+        self._metrics = MetricsLogger(cfg.metrics, cfg.run.run_dir, config=public_config(cfg),
+                                      name=cfg.run.prefix)  # fmt: skip
         await self._finish_restored_commit()
         await clear_run_end(self._redis, names)  # this learner carries the run on: an earlier end no longer applies
         await self._redis.hset(names.learner_state, mapping={
