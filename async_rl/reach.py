@@ -101,6 +101,10 @@ def probe_redis(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     except rex.TimeoutError:
         raise Unreachable(f"cannot use {where}: no answer to PING within {timeout_s:.0f} s") from None
     except (rex.ConnectionError, rex.InvalidResponse) as exc:
+        text = str(exc)
+        if scheme == "redis" and ("reset by peer" in text or "closed by server" in text):
+            raise Unreachable(f"cannot use {where}: the server closed the connection on a plain-text PING "
+                              "(a TLS port? use rediss://)") from None  # fmt: skip
         raise Unreachable(f"cannot use {where}: {_why(exc)}") from None
     finally:
         client.close()
@@ -132,6 +136,8 @@ def probe_nats(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         text = str(exc) or type(exc).__name__
         if "authorization" in text.lower() or "authentication" in text.lower():
             raise Unreachable(f"cannot use {where}: credentials refused ({text.strip()})") from None
+        if isinstance(exc, ssl.SSLError):
+            raise Unreachable(f"cannot use {where}: TLS handshake failed ({text.strip()})") from None
         raise Unreachable(f"cannot use {where}: {type(exc).__name__}: {text.strip()}") from None
 
 

@@ -22,12 +22,14 @@ import os
 import queue
 import shutil
 import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 from async_rl.checksums import CHECKSUMS, checksum_stream
+from async_rl.lifecycle import redact_url
 from async_rl.names import Names
 
 # Kernel socket buffers large enough to keep the loopback pipe full between recv_into calls.
@@ -39,7 +41,7 @@ MAX_BUCKET_BYTES = 512 << 20
 PART_BYTES = 256 << 20
 # Parts per bucket: 16 GiB buckets at most, and a bounded list of keys to delete per bucket.
 MAX_PARTS = 64
-SCHEMES = ("redis", "shm")
+SCHEMES = ("redis", "rediss", "shm")
 """URL schemes of the bucket transports: each names one explicitly (see :func:`make_transport`)."""
 
 
@@ -61,7 +63,8 @@ class TransportConfig:
 
     url: str = ""
     """Where bucket bytes go, chosen by the URL's scheme (:data:`SCHEMES`): '' is the run's own Redis;
-    ``redis://host:port/db`` another Redis (works across machines); ``shm:///dev/shm`` files under that tmpfs
+    ``redis://host:port/db`` another Redis (works across machines; ``rediss://`` over TLS, ``user:password@``
+    for an ACL user, ``?ssl_ca_certs=ca.pem`` for a private CA); ``shm:///dev/shm`` files under that tmpfs
     directory (one host). Any other scheme is refused."""
     connections: int = 2
     """Redis connections (and worker threads) used for concurrent bucket reads/writes."""
@@ -71,9 +74,10 @@ class TransportConfig:
     def __post_init__(self) -> None:
         scheme = urlparse(self.url).scheme if self.url else "redis"
         if scheme not in SCHEMES:
-            raise ValueError(f"transport.url scheme {scheme!r} is not one of {list(SCHEMES)} (got {self.url!r})")
+            raise ValueError(f"transport.url scheme {scheme!r} is not one of {list(SCHEMES)} "
+                             f"(got {redact_url(self.url)!r})")  # fmt: skip
         if scheme == "shm" and not urlparse(self.url).path:
-            raise ValueError(f"transport.url {self.url!r} names no directory (shm:///dev/shm)")
+            raise ValueError(f"transport.url {redact_url(self.url)!r} names no directory (shm:///dev/shm)")
         if self.connections < 1:
             raise ValueError("transport.connections must be >= 1")
         if self.timeout_s <= 0:
@@ -113,11 +117,11 @@ def make_transport(cfg: TransportConfig, redis_url: str, names: Names) -> Bucket
     """The transport ``cfg.url`` names by its scheme ('' is the run's Redis at ``redis_url``)."""
     url = cfg.url or redis_url
     scheme = urlparse(url).scheme
-    if scheme == "redis":
+    if scheme in ("redis", "rediss"):
         return RedisTransport(url, names, connections=cfg.connections, timeout_s=cfg.timeout_s)
     if scheme == "shm":
         return SharedMemoryTransport(names, root=urlparse(url).path)
-    raise ValueError(f"transport: no transport for scheme {scheme!r} of {url!r}; known: {list(SCHEMES)}")
+    raise ValueError(f"transport: no transport for scheme {scheme!r} of {redact_url(url)!r}; known: {list(SCHEMES)}")
 
 
 # ---- Redis ---------------------------------------------------------------------------------
@@ -130,6 +134,19 @@ def _command(*parts: bytes) -> bytes:
     return b"".join(out)
 
 
+def _tls_context(query: str) -> ssl.SSLContext:
+    """The TLS context of a ``rediss://`` URL, from the query parameters redis-py reads too (``ssl_ca_certs``,
+    ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs=none``); the system's CAs (and ``$SSL_CERT_FILE``) otherwise."""
+    q = {k: v[-1] for k, v in parse_qs(query).items()}
+    ctx = ssl.create_default_context(cafile=q.get("ssl_ca_certs"))
+    if q.get("ssl_certfile"):
+        ctx.load_cert_chain(q["ssl_certfile"], q.get("ssl_keyfile"))
+    if q.get("ssl_cert_reqs", "").lower() in ("none", "cert_none"):
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 class RespConnection:
     """One blocking RESP2 connection: SET from a buffer, GET into a buffer, DEL. Not thread-safe."""
 
@@ -138,12 +155,16 @@ class RespConnection:
 
     def __init__(self, url: str, timeout_s: float = 60.0) -> None:
         parsed = urlparse(url)
-        if parsed.scheme != "redis":
-            raise ValueError(f"transport: only redis:// URLs are supported by the bucket transport, got {url!r}")
-        self.sock = socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), timeout_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        if parsed.scheme not in ("redis", "rediss"):
+            raise ValueError(f"transport: only redis:// and rediss:// URLs are supported by the bucket transport, "
+                             f"got {redact_url(url)!r}")  # fmt: skip
+        sock = socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        if parsed.scheme == "rediss":
+            sock = _tls_context(parsed.query).wrap_socket(sock, server_hostname=parsed.hostname)
+        self.sock = sock
         self._pending = bytearray()
         if parsed.password:
             user = unquote(parsed.username) if parsed.username else None

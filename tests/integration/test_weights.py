@@ -261,10 +261,11 @@ async def test_transport_errors_are_named(servers: ServerSet, names: Names, tmp_
     shm = make_transport(TransportConfig(url=f"shm://{tmp_path}"), servers.redis_url, names)
     assert shm.name == "shm" and str(shm.root).startswith(str(tmp_path))
     assert make_transport(TransportConfig(url="redis://127.0.0.1:1/0"), servers.redis_url, names).name == "redis"
-    t = RedisTransport("rediss://127.0.0.1:1/0", names, connections=1)
+    t = RedisTransport("unix:///tmp/no-such.sock", names, connections=1)
     for _ in range(2):  # the failed connection gives its pool slot back
-        with pytest.raises(ValueError, match="only redis:// URLs"):
+        with pytest.raises(ValueError, match="only redis:// and rediss:// URLs"):
             await asyncio.wait_for(t.get(0, 0), 5)
+    assert make_transport(TransportConfig(url="rediss://127.0.0.1:1/0"), servers.redis_url, names).name == "redis"
 
 
 async def test_a_bucket_larger_than_one_redis_value_travels_in_parts(
