@@ -524,15 +524,20 @@ class MegatronBackend(TrainingBackend):
         self.optimizer.zero_grad()
         self._run_schedule(items, loss_func, forward_only=False, replaying=replay_routes)
         self._freeze_pad_row()
-        # Megatron's optimizer checks the gradients for inf/nan itself and leaves parameters and state untouched
-        # when it finds any (ok=False): the contract's skipped step (actors/learner/backend.py).
-        ok, grad_norm, _ = self.optimizer.step()
+        # The contract's skipped step (actors/learner/backend.py): megatron's fp16/bf16 optimizers skip on inf/nan
+        # themselves, but its fp32 one steps with them (NaN weights ever after), so every rank checks first.
+        if self._nonfinite_grads():
+            ok, grad_norm = False, None
+        else:
+            ok, grad_norm, _ = self.optimizer.step()
         parts: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(parts, (metrics, losses))
         avg = reduce_metrics([m if WEIGHT_KEY in m else {**m, WEIGHT_KEY: w}
                               for p in parts if p for m, w in p[0]])  # fmt: skip
         num_tokens = sum(int(mb.num_tokens) for mb in micro_batches)
-        gn = float(grad_norm) if grad_norm is not None and ok else math.inf
+        if ok and grad_norm is None:  # an unchained optimizer without clipping reports none: compute it
+            grad_norm = self.optimizer.get_grad_norm()
+        gn = float(grad_norm) if ok and grad_norm is not None else math.inf
         elapsed = time.perf_counter() - start
         avg.update({
             "loss": sum(x for p in parts if p for x in p[1]), "grad_norm": gn,
@@ -541,6 +546,17 @@ class MegatronBackend(TrainingBackend):
             "train_tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
         })  # fmt: skip
         return StepResult(metrics=avg, grad_norm=gn, num_tokens=num_tokens)
+
+    def _nonfinite_grads(self) -> bool:
+        """True on every rank when any rank holds an inf/nan gradient (one all-reduce, one host sync)."""
+        bad = torch.zeros((), device=self.device)
+        for p in self.gpt.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                bad = torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype))
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return bool(bad.item())
 
     def _freeze_pad_row(self) -> None:
         """Hugging Face's pad semantics: ``nn.Embedding(padding_idx=pad)`` gives the pad token's word-embedding row
