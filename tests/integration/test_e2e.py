@@ -77,7 +77,7 @@ def test_generator_sigkill_loses_no_prompt(procs: Procs, servers: ServerSet, nam
     # Every issued prompt is trained, dropped (counted), or still in one of the two streams.
     client = redis.Redis.from_url(servers.redis_url)
     try:
-        issued = int(client.hget(names.prompt_counters, "issued") or 0)
+        issued = int(client.hget(names.audit_counters, "issued") or 0)
         dropped = int(client.hget(names.rollout_counters, "dropped_stale") or 0)
         in_prompts = {decode_prompt(f[b"spec"]).prompt_id for _, f in client.xrange(names.prompts_stream)}
         in_rollouts = set()
