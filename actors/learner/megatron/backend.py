@@ -185,7 +185,7 @@ class MegatronBackend(TrainingBackend):
             moe_router_load_balancing_type=c.moe_router_load_balancing_type, moe_aux_loss_coeff=c.moe_aux_loss_coeff,
             moe_router_score_function=c.moe_router_score_function, moe_router_fusion=c.moe_router_fusion,
             moe_token_dispatcher_type="alltoall", moe_grouped_gemm=self.te_spec,
-            moe_enable_routing_replay=c.router_replay,
+            moe_enable_routing_replay=c.router_replay, moe_router_dtype=c.moe_router_dtype or None,
         ) if a.num_experts else {}  # fmt: skip
         if a.shared_expert_size:
             moe.update(moe_shared_expert_intermediate_size=a.shared_expert_size, moe_shared_expert_gate=True)

@@ -44,6 +44,9 @@ class MegatronConfig:
     """Router score function (HF Qwen/Mixtral routers are softmax)."""
     moe_router_load_balancing_type: Literal["none", "aux_loss", "sinkhorn", "seq_aux_loss"] = "none"
     """Router load balancing; sinkhorn ignores replay, so it is refused with router_replay."""
+    moe_router_dtype: Literal["", "fp32", "fp64"] = ""
+    """Router logits, top-k and the weighted sum of expert outputs in this dtype (megatron-core's
+    ``moe_router_dtype``): 'fp32' keeps bf16 training's routing stable with many experts. '' = the model dtype."""
     moe_aux_loss_coeff: float = 0.0
     """Auxiliary load-balancing loss coefficient (0: off; RL fine-tuning usually keeps it off)."""
     lr: float = 1e-6
