@@ -11,12 +11,12 @@
   label is changed only while generation is paused, so each token's version is the version of
   the weights that produced it, also for a sequence that spans a swap.
 * **Weights.** :meth:`VLLMEngine.stage_weights` (any thread) checks names and shapes against the
-  model's checkpoint and hands the version to a background task: it writes the tensors as one
-  safetensors file in shared memory and has the worker read it while generation goes on
-  (``arl_stage_weights``; vLLM's RPC cannot carry tensors), then pauses generation
+  model's checkpoint and hands the version to a background task: it copies the tensors once into an
+  anonymous memory file and has the worker map them while generation goes on (``arl_stage_weights``;
+  :mod:`.weight_handover` says why vLLM's RPC cannot carry them), then pauses generation
   (``pause_generation(mode="keep")``: requests stay in place with their KV cache), loads them in
-  place (``arl_apply_staged``, vLLM's layerwise reload), relabels the version and resumes.
-  ``last_swap_pause_s`` is the time generation stood still. New requests carry the version in
+  place (``arl_apply_staged``, vLLM's layerwise reload), relabels the version and resumes. No file is
+  written. ``last_swap_pause_s`` is the time generation stood still. New requests carry the version in
   their prefix-cache salt, so no prompt reuses KV computed by older weights.
 * **Routes** (MoE). Where vLLM's own routed-experts output works (CUDA, Model Runner V2) it is
   used (``routes="native"``); on CPU the worker extension of :mod:`actors.generator.vllm_worker`
@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
-import os
 import shutil
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,83 +48,12 @@ import torch
 
 from actors.generator.config import VLLMEngineConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
+from actors.generator.model_facts import ModelFacts, read_model_facts
+from actors.generator.vllm_args import build_vllm_args
+from actors.generator.weight_handover import pack_weights
 from async_rl.models import is_preset, load_model_config, save_pretrained_dir
-from async_rl.moe import moe_facts
 
 log = logging.getLogger(__name__)
-
-WORKER_EXTENSION = "actors.generator.vllm_worker.ArlWorkerExtension"
-"""Qualified name of the worker extension vLLM mixes into its worker."""
-SHM_HEADROOM_BYTES = 64 << 20
-"""Free space /dev/shm must keep beyond a weight file (other users of it, the safetensors header)."""
-DEFAULT_CPU_KV_CACHE_MIB = 1024
-"""KV cache on CPU when none is configured: vLLM's own CPU sizing reserves 92% of the node's memory."""
-
-
-@dataclass(frozen=True, slots=True)
-class _ModelFacts:
-    """What the engine needs to know about the model, read from its directory."""
-
-    directory: Path
-    shapes: dict[str, tuple[int, ...]]
-    """Checkpoint tensor name -> shape (the names stage_weights accepts)."""
-    vocab_size: int
-    max_positions: int
-    moe_layer_ids: tuple[int, ...]
-    """Indices (among all decoder layers) of the MoE layers."""
-    num_experts: int
-    top_k: int
-    head_dim: int
-
-
-def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {directory} holds no *.safetensors file")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
-                shapes[name] = tuple(fh.get_slice(name).get_shape())
-    return shapes
-
-
-def _model_facts(directory: Path) -> _ModelFacts:
-    cfg = load_model_config(directory)
-    text = getattr(cfg, "text_config", None) or cfg
-    moe = moe_facts(text)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    return _ModelFacts(
-        directory=directory,
-        shapes=_checkpoint_shapes(directory),
-        vocab_size=int(text.vocab_size),
-        max_positions=int(getattr(text, "max_position_embeddings", 0) or 0),
-        moe_layer_ids=moe.moe_layer_ids,
-        num_experts=moe.num_experts,
-        top_k=moe.top_k,
-        head_dim=head_dim,
-    )
-
-
-def _write_shm(tensors: Mapping[str, torch.Tensor]) -> Path:
-    """Write a weight version as one safetensors file in shared memory (/dev/shm when it has room, else the
-    temporary directory: containers often mount a small /dev/shm)."""
-    from safetensors.torch import save_file
-
-    shm = Path("/dev/shm")
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    room = shm.is_dir() and shutil.disk_usage(shm).free > nbytes + SHM_HEADROOM_BYTES
-    fd, name = tempfile.mkstemp(prefix="arl-weights-", suffix=".safetensors", dir=shm if room else None)
-    os.close(fd)
-    path = Path(name)
-    try:
-        save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(path))
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _version_array(spans: Any, num_tokens: int, fallback: int) -> np.ndarray:
@@ -147,7 +73,7 @@ class VLLMEngine(Engine):
 
     name = "vllm"
     config: VLLMEngineConfig
-    facts: _ModelFacts
+    facts: ModelFacts
     route_mode: str
     """'native', 'hooks' or 'off' (resolved from config.routes)."""
     prefix_caching: bool
@@ -199,7 +125,7 @@ class VLLMEngine(Engine):
         self.last_load_s = 0.0
         self.last_stage_error = None
         try:
-            self.facts = _model_facts(self._model_dir(config))
+            self.facts = read_model_facts(self._model_dir(config))
             self._start()
         except BaseException:
             self._remove_tmp()
@@ -221,63 +147,20 @@ class VLLMEngine(Engine):
         return target
 
     def _start(self) -> None:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        cfg, facts = self.config, self.facts
-        on_cpu = current_platform.is_cpu()
-        if on_cpu:
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-            sizes = CPUAttentionBackend.get_supported_head_sizes()
-            if facts.head_dim not in sizes:
-                raise ValueError(
-                    f"engine.model {cfg.model.name!r} has head_dim {facts.head_dim}; vLLM's CPU attention supports {sizes}"
-                )
-        eager = on_cpu if cfg.enforce_eager is None else cfg.enforce_eager
-        mode = cfg.routes
-        if not facts.moe_layer_ids:
-            mode = "off"
-        elif mode == "auto":
-            mode = "native" if current_platform.is_cuda_alike() else "hooks"
-        if mode == "native" and on_cpu:
-            raise ValueError("engine.routes 'native' needs vLLM's Model Runner V2 (CUDA); use 'hooks' on CPU")
-        if mode == "hooks" and not eager:
-            raise ValueError("engine.routes 'hooks' needs engine.enforce_eager (compiled graphs skip Python hooks)")
-        self.route_mode = mode
-        self.prefix_caching = (mode != "hooks") if cfg.enable_prefix_caching is None else cfg.enable_prefix_caching
-        if mode == "hooks" and self.prefix_caching:
-            raise ValueError("engine.enable_prefix_caching must be off with routes 'hooks' (cached tokens are not run)")
-        self.max_model_len = cfg.max_model_len or facts.max_positions or 4096
-        kv_mib = cfg.kv_cache_mib or (DEFAULT_CPU_KV_CACHE_MIB if on_cpu else 0)
-        kwargs: dict[str, Any] = dict(
-            model=str(facts.directory),
-            tokenizer=str(facts.directory),
-            dtype=cfg.model.dtype,
-            seed=cfg.seed,
-            enforce_eager=eager,
-            max_model_len=self.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            enable_prefix_caching=self.prefix_caching,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
-            disable_log_stats=True,
-        )
-        if kv_mib:
-            kwargs["kv_cache_memory_bytes"] = kv_mib << 20
-        if mode == "native":
-            kwargs["enable_return_routed_experts"] = True
-        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-        unknown = sorted(set(cfg.engine_args) - known)
-        if unknown:
-            raise ValueError(f"engine.engine_args has fields vLLM's AsyncEngineArgs does not know: {unknown}")
-        kwargs.update(cfg.engine_args)
+        args = build_vllm_args(self.config, self.facts)
+        self.route_mode = args.route_mode
+        self.prefix_caching = args.prefix_caching
+        self.max_model_len = args.max_model_len
         t0 = time.perf_counter()
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        log.info("vLLM engine up in %.1f s (model %s, routes %s)", time.perf_counter() - t0, facts.directory, mode)
+        self._llm = AsyncLLM.from_engine_args(args.engine_args)
+        log.info(
+            "vLLM engine up in %.1f s (model %s, routes %s)",
+            time.perf_counter() - t0,
+            self.facts.directory,
+            self.route_mode,
+        )
 
     async def _ensure_ready(self) -> None:
         """Bind to the running loop on first use; set up the worker extension and the swap task once."""
@@ -550,11 +433,11 @@ class VLLMEngine(Engine):
     async def _apply(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         llm = self._llm
         t0 = time.perf_counter()
-        path = await asyncio.to_thread(_write_shm, tensors)
+        packed = await asyncio.to_thread(pack_weights, tensors)
         try:
-            await llm.collective_rpc("arl_stage_weights", args=(str(path), version))
+            await llm.collective_rpc("arl_stage_weights", args=(packed.handle, version))
         finally:
-            path.unlink(missing_ok=True)
+            packed.close()  # the worker holds its own mapping now
         t1 = time.perf_counter()
         await llm.pause_generation(mode="keep", clear_cache=False)
         try:

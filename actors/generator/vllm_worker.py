@@ -13,24 +13,24 @@ worker process that holds the model and are called from the engine with
   request is never run through the model, so its routes cover one token fewer than
   prompt + response; positions served from the prefix cache are not run either, so the engine
   turns prefix caching off when it captures routes this way.
-* **In-place weight loads.** New weights arrive as a safetensors file in shared memory
-  (:meth:`arl_stage_weights`, while generation goes on) and are applied in place (:meth:`arl_apply_staged`, while the engine is
-  paused) through vLLM's layerwise ``reload_weights``. On CPU the experts kernel's
-  ``process_weights_after_loading`` (its prepack into the grouped-GEMM layout) is then run again
-  on every fused-MoE layer: vLLM runs it only on the first load, so a reload alone leaves the
+* **In-place weight loads.** A new version is mapped from the engine's anonymous memory file
+  (:meth:`arl_stage_weights`, while generation goes on; :mod:`actors.generator.weight_handover`) and
+  loaded in place from those pages (:meth:`arl_apply_staged`, while the engine is paused) through
+  vLLM's layerwise ``reload_weights``, which feeds the model's ``load_weights``. On CPU the experts
+  kernel's ``process_weights_after_loading`` (its prepack into the grouped-GEMM layout) is then run
+  again on every fused-MoE layer: vLLM runs it only on the first load, so a reload alone leaves the
   raw new weights where the kernel expects prepacked ones (wrong expert outputs).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from actors.generator.weight_handover import Handle, map_weights
 from async_rl.moe import route_dtype
 
 ROUTE_CHUNK_TOKENS = 256
@@ -157,18 +157,12 @@ class ArlWorkerExtension:
             return {}
         return {rid: (a.tobytes(), list(a.shape), a.dtype.str) for rid, a in routes.take(external_ids).items()}
 
-    def arl_stage_weights(self, path: str, version: int) -> float:
-        """Read a full weight version from a safetensors file (the engine's shared-memory hand-over) and keep it
-        in worker memory until :meth:`arl_apply_staged`; the file is removed. Returns seconds spent."""
-        from safetensors.torch import load_file
-
+    def arl_stage_weights(self, handle: Handle, version: int) -> float:
+        """Map a full weight version the engine packed in memory (no copy, see :mod:`.weight_handover`) and keep
+        it until :meth:`arl_apply_staged` (a newer one replaces it). Returns seconds spent."""
         t0 = time.perf_counter()
-        try:
-            tensors = load_file(path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._arl_staged = (list(tensors.items()), version)
+        self._arl_staged = None  # let an older, never applied version's mapping go first
+        self._arl_staged = (map_weights(handle), version)
         return time.perf_counter() - t0
 
     def arl_apply_staged(self, version: int) -> float:

@@ -7,7 +7,13 @@ the swap test. References are transformers models in fp32 running the same check
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import dataclasses
+import os
+import stat
+import struct
+import tempfile
 import time
 from pathlib import Path
 
@@ -249,6 +255,99 @@ async def test_versions_across_a_swap_mid_sequence(
     assert logits.argmax(-1).tolist() == comp.token_ids.tolist()
     ref = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(comp.token_ids.astype(np.int64))[:, None])
     np.testing.assert_allclose(comp.logprobs, ref.squeeze(-1).numpy(), atol=LOGPROB_ATOL)
+
+
+IN_CLOSE_WRITE, IN_MOVED_TO, IN_CREATE = 0x008, 0x080, 0x100
+"""inotify events: a file opened for writing was closed, moved in, created."""
+
+
+class _FileWrites:
+    """Files written, created or moved into some directories while it is open (inotify, so short-lived files too)."""
+
+    def __init__(self, dirs: list[str]) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self.dirs: dict[int, str] = {}
+        for d in dirs:
+            wd = libc.inotify_add_watch(self.fd, d.encode(), IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE)
+            if wd < 0:
+                raise OSError(ctypes.get_errno(), f"inotify_add_watch {d}")
+            self.dirs[wd] = d
+
+    def take(self) -> set[str]:
+        """Paths seen since the last call; sockets and directories (other users' servers and tools) left out."""
+        seen: set[str] = set()
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            off = 0
+            while off < len(data):
+                wd, _mask, _cookie, size = struct.unpack_from("iIII", data, off)
+                name = data[off + 16 : off + 16 + size].rstrip(b"\0").decode()
+                seen.add(os.path.join(self.dirs[wd], name))
+                off += 16 + size
+        out = set()
+        for path in seen:
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:  # gone again: a short-lived file is what we are looking for
+                out.add(path)
+                continue
+            if not (stat.S_ISSOCK(mode) or stat.S_ISDIR(mode)):
+                out.add(path)
+        return out
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Processes under ``pid`` (vLLM's engine core and worker under the test process), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+@shared_loop
+async def test_a_swap_writes_no_file(engine: VLLMEngine, model_dirs: tuple[Path, Path]) -> None:
+    dirs = [d for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d)]
+    watch = _FileWrites(dirs)
+    try:
+        # The watch sees a short-lived file in each directory (what the old hand-over wrote per version).
+        for d in dirs:
+            with tempfile.NamedTemporaryFile(dir=d, prefix="arl-probe-") as probe:
+                probe.write(b"x")
+        assert {os.path.dirname(p) for p in watch.take() if "arl-probe-" in p} == set(dirs)
+
+        version = engine.version + 1
+        engine.stage_weights(_weights(model_dirs[1]), version)
+        assert await engine.wait_applied(version, SWAP_TIMEOUT_S), engine.last_stage_error
+        written = watch.take()
+    finally:
+        watch.close()
+    assert not written, f"a weight swap wrote {sorted(written)}"
+    # The version's memory file is released everywhere once applied: no descriptor or mapping of it is left.
+    holders = []
+    for pid in [os.getpid(), *_descendants(os.getpid())]:
+        with contextlib.suppress(OSError):
+            if "memfd:arl-weights" in Path(f"/proc/{pid}/maps").read_text():
+                holders.append(pid)
+    assert not holders, f"processes {holders} still map a weight version's memory file"
 
 
 @shared_loop
