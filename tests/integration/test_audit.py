@@ -58,7 +58,7 @@ async def test_fates_counters_and_the_audit_command(redis_client, names: Names, 
 
     console = Console(record=True, width=160)
     console.print(render({"prefix": names.prefix, "learner": {}, "weights": {"latest": None}, "generators": [],
-                          "buffer": stats}))  # fmt: skip
+                          "buffer": stats, "scaling": None}))  # fmt: skip
     text = console.export_text()
     assert "issued" in text and "│      8 │       3 │             2 │             1 │         2 │" in text
     # A prompt lost outside the protocol (its entry deleted by hand) is named, and the audit fails.
