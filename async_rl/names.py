@@ -51,7 +51,8 @@ class Names:
     def rollout_payload(self, token: str) -> str:
         """String key holding the bytes of a large rollout record; its stream entry carries this key.
 
-        ``token`` is 32 lowercase hex digits (a uuid4): :meth:`is_rollout_payload` accepts nothing else.
+        ``token`` is 32 lowercase hex digits (a uuid4): :meth:`is_rollout_payload` accepts nothing else;
+        ``"*"`` gives the pattern of all of them (SCAN, ACL rules).
         """
         if not _TOKEN_RE.match(token) and token != "*":
             raise ValueError(f"rollout payload token must be 32 lowercase hex digits, got {token!r}")
