@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from pathlib import Path
 
 import msgpack
@@ -145,16 +146,31 @@ def test_generator_joining_mid_run_starts_on_newest_weights(procs: Procs, server
 
 
 def test_generator_sigterm_leaves_cleanly(procs: Procs, servers: ServerSet, names: Names) -> None:
-    """SIGTERM: the generator exits 0 and holds nothing afterwards (finished or released to others)."""
+    """SIGTERM, generating or idle: the generator exits 0 within seconds, says what it released, and holds nothing
+    afterwards (finished or released to others). (Waiting for its first weights: test_generator_lifecycle.py.)"""
     procs.learner("max_steps=200")
     procs.generator("gen-0")
     procs.wait_for("2 learner steps", lambda: _steps(procs) >= 2, timeout_s=240)
+    t0 = time.monotonic()
     assert procs.stop("gen-0", signal.SIGTERM, timeout_s=60) == 0, procs.tails()
+    generating_s = time.monotonic() - t0
+    # Idle: the learner is gone, so no prompt comes; the generator sits in its blocking read.
+    procs.stop("learner")
+    procs.generator("gen-1")
+    procs.wait_for("gen-1 on weights", lambda: "engine is on weights version" in procs.log("gen-1"), timeout_s=120)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    assert procs.stop("gen-1", signal.SIGTERM, timeout_s=60) == 0, procs.tails()
+    idle_s = time.monotonic() - t0
     client = redis.Redis.from_url(servers.redis_url)
     try:
         pending = client.xpending_range(names.prompts_stream, names.prompts_group, "-", "+", 1000, consumername="gen-0")
     finally:
         client.close()
     assert pending == [], pending
-    assert "generator gen-0 stopping" in procs.log("gen-0")
-    procs.stop("learner")
+    for gen in ("gen-0", "gen-1"):
+        log = procs.log(gen)
+        assert f"generator {gen} stopping" in log and f"generator {gen} exited:" in log and "released" in log, log
+    # Promptly: a drain finishes the batch in hand (a fraction of a second on the tiny model), an idle read
+    # returns within read_block_ms; the bound is loose for a loaded 2-core machine, far below drain_timeout_s.
+    assert generating_s < 20 and idle_s < 20, (generating_s, idle_s)
