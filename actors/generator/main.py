@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
         print(f"{prog}: config error: run.redis_url and run.nats_url (or ASYNC_RL_REDIS_URL / ASYNC_RL_NATS_URL) "
               "are required: a generator joins an existing run", file=sys.stderr)  # fmt: skip
         return 2
-    from async_rl.reach import Unreachable, check_servers
+    from async_rl.reach import Unreachable, check_servers, describe_failure
 
     try:  # before the engine is built: a server that is not there is named within seconds
         check_servers(cfg.run.redis_url, cfg.run.nats_url)
@@ -37,11 +37,14 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
 
     try:
         asyncio.run(_run())
-    except BaseExceptionGroup as group:  # a long-lived task failed: one line, non-zero, the supervisor restarts us
-        failed = first_task_failure(group)
-        if failed is None:
+    except Exception as exc:  # a lost server or a failed long-lived task: one line, exit 1, the supervisor restarts us
+        line = describe_failure(exc, cfg.run.redis_url, cfg.run.nats_url)
+        if line is None and isinstance(exc, BaseExceptionGroup):
+            failed = first_task_failure(exc)
+            line = None if failed is None else str(failed)
+        if line is None:
             raise
-        logging.getLogger("actors.generator").debug("task failure", exc_info=group)
-        print(f"{prog}: {cfg.generator_id}: {failed}; exiting", file=sys.stderr)
+        logging.getLogger("actors.generator").debug("exiting on", exc_info=exc)
+        print(f"{prog}: {cfg.generator_id}: {line}; exiting", file=sys.stderr)
         return 1
     return 0

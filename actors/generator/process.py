@@ -30,6 +30,7 @@ from actors.generator.metrics import GeneratorMetrics
 from actors.generator.weight_sync import WeightSync
 from async_rl.control import Control, ControlPlane, Heartbeat, Message, RunEnded
 from async_rl.lifecycle import named_task, raise_if_cancel_requested, redact_url
+from async_rl.reach import redis_client
 from async_rl.run_end import read_run_end
 from async_rl.sampling import Sampling
 from async_rl.tasks.base import Task
@@ -110,7 +111,7 @@ class Generator:
         self._task = build_task(cfg.task)
         self._metrics.start()
         stack.callback(self._metrics.close)
-        self._redis = aioredis.Redis.from_url(cfg.run.redis_url)
+        self._redis = redis_client(cfg.run.redis_url)  # bounded retries, then the error ends the process
         stack.push_async_callback(self._redis.aclose)
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
         self._control = await ControlPlane(cfg.run.nats_url, name=cfg.generator_id, cfg=cfg.control).connect()

@@ -65,6 +65,7 @@ class WeightSync:
     _stop: asyncio.Event
     _progress: asyncio.Condition
     _sub: Any
+    _failures_in_a_row: int
     where: str
     """Where weights come from (for the "still waiting" line): the run's prefix and Redis URL, no credentials."""
 
@@ -92,6 +93,7 @@ class WeightSync:
         self._stop = asyncio.Event()
         self._progress = asyncio.Condition()
         self._sub = None
+        self._failures_in_a_row = 0
         self.where = where or f"prefix {names.prefix}"
 
     @property
@@ -167,10 +169,7 @@ class WeightSync:
             if now >= next_note:
                 log.info("still waiting for weights of %s (%.0fs so far)", self.where, now - t0)
                 next_note = now + self.cfg.wait_log_interval_s
-            try:
-                await self._refresh_latest()
-            except TRANSIENT_ERRORS as exc:
-                log.warning("reading the latest weight version failed: %r", exc)
+            await self._refresh_or_give_up()
             target = self.wanted_version
             if target >= 0 and target not in self.refused:
                 await self._sync_to(target)
@@ -236,15 +235,29 @@ class WeightSync:
             return True
         return False
 
+    async def _refresh_or_give_up(self) -> bool:
+        """Read the newest version; a failure is logged and retried by the caller, but ``max_retries`` failures in a
+        row (each after the Redis client's own retries) raise, so that a lost server ends the process (no silent
+        waiting: its supervisor restarts it). True when the read succeeded."""
+        try:
+            await self._refresh_latest()
+        except TRANSIENT_ERRORS as exc:
+            self._failures_in_a_row += 1
+            if self._failures_in_a_row >= self.cfg.max_retries:
+                raise ConnectionError(f"reading the weights of {self.where} failed {self._failures_in_a_row} times "
+                                      f"in a row; last: {exc!r}") from exc  # fmt: skip
+            log.warning("reading the latest weight version failed (%d in a row): %r", self._failures_in_a_row, exc)
+            return False
+        self._failures_in_a_row = 0
+        return True
+
     async def _poll_loop(self) -> None:
         backoff_s = self.cfg.poll_interval_s
         while not await self._wait(self._stop, backoff_s):
-            try:
-                await self._refresh_latest()
+            if await self._refresh_or_give_up():
                 backoff_s = self.cfg.poll_interval_s
-            except TRANSIENT_ERRORS as exc:
+            else:
                 backoff_s = min(backoff_s * 2, max(self.cfg.max_backoff_s, self.cfg.poll_interval_s))
-                log.warning("polling the latest weight version failed (%r); next try in %.1fs", exc, backoff_s)
 
     async def _fetch_loop(self) -> None:
         while not self._stop.is_set():

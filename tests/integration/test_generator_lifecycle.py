@@ -103,3 +103,42 @@ def test_sigterm_while_waiting_for_the_first_weights_exits_promptly(servers: Ser
     assert code == 0, text
     assert took_s < 10, f"SIGTERM took {took_s:.1f}s\n{text}"
     assert "stopped before the first weights arrived" in text and "released 0 prompts" in text
+
+
+def test_a_generator_waiting_for_weights_exits_when_its_redis_goes_away(servers: ServerSet, tmp_path: Path) -> None:
+    """No silent waiting: Redis lost while the generator waits for its first weights gives bounded retries (the
+    client's, then weight_sync.max_retries reads in a row), then exit 1 with one line naming the URL."""
+    import uuid
+
+    from async_rl.servers import start_redis
+
+    own = start_redis()
+    names = Names(prefix=f"t-lostgen-{uuid.uuid4().hex[:8]}")
+    args = [f"run.prefix={names.prefix}", f"run.redis_url={own.url}", f"run.nats_url={servers.nats_url}",
+            *GENERATOR_TEST_ARGS, "generator_id=lostgen", "weight_sync.poll_interval_s=0.2",
+            "weight_sync.max_retries=2"]  # fmt: skip
+    log = tmp_path / "gen.log"
+    try:
+        with log.open("wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "actors.commands", "generator", *args], stdout=out,
+                                    stderr=subprocess.STDOUT, env=_env())  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while "loading the newest weight version" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            own.stop()
+            t0 = time.monotonic()
+            code = proc.wait(120)
+            took_s = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        own.stop()
+    text = log.read_text()
+    last = text.strip().splitlines()[-1]
+    assert code == 1, text
+    assert last.startswith(f"async-rl generator: lostgen: lost Redis at {own.url}"), last
+    assert "Traceback" not in text
+    print(f"\nRedis lost while waiting for weights: exit 1 after {took_s:.1f} s: {last}")
