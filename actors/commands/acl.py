@@ -12,6 +12,11 @@ the ACL file only as SHA-256 hashes, never printed):
 * ``reader``: read-only on ``<prefix>:*`` (``async-rl status``, ``async-rl audit``).
 * ``admin``: everything (the operator); the file also turns the password-less ``default`` user off.
 
+The same users and passwords get NATS permissions (``nats-users.conf``, for ``include`` in the NATS server's
+config; the file holds the passwords, so it is written 0600 like the password files): the generator may publish
+only heartbeats and subscribe only to weight announcements and control messages; the learner may publish and
+subscribe on its run's subjects; the reader may only subscribe to them; nobody may touch another run's subjects.
+
 Every command of a user goes through a selector that names both the commands and the keys it may touch
 (Redis 7 / Valkey selectors), so e.g. the generator's ``XADD`` reaches the rollout stream and the dead
 letters but never the prompt stream. Scripts the buffer runs (``EVAL``) are checked command by command
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import secrets
 import sys
@@ -78,19 +84,46 @@ def acl_lines(names: Names, passwords: dict[str, str]) -> list[str]:
     ]
 
 
+def nats_permissions(names: Names) -> dict[str, dict[str, list[str]]]:
+    """Per role, the NATS subjects it may publish and subscribe to (the run's own, see :mod:`async_rl.names`)."""
+    everything = names.subject(">")
+    return {
+        "learner": {"publish": [everything], "subscribe": [everything, "_INBOX.>"]},
+        "generator": {"publish": [names.heartbeat_subject],
+                      "subscribe": [names.weights_subject, names.control_subject]},  # fmt: skip
+        "reader": {"publish": [], "subscribe": [everything, "_INBOX.>"]},
+    }
+
+
+def nats_config(names: Names, passwords: dict[str, str]) -> str:
+    """A NATS ``authorization`` block with one user per role (``admin`` may do anything)."""
+    users = [f"    {{user: {json.dumps(f'{names.prefix}-admin')}, password: {json.dumps(passwords['admin'])}}}"]
+    for role, perms in nats_permissions(names).items():
+        allow = ", ".join(f"{kind}: {{allow: {json.dumps(subjects)}}}" if subjects else f"{kind}: {{deny: [\">\"]}}"
+                          for kind, subjects in perms.items())  # fmt: skip
+        users.append(f"    {{user: {json.dumps(f'{names.prefix}-{role}')}, password: {json.dumps(passwords[role])}, "
+                     f"permissions: {{{allow}}}}}")  # fmt: skip
+    return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"
+
+
+def _private(path: Path, text: str) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    return path
+
+
 def write_acl(names: Names, out_dir: Path) -> tuple[Path, dict[str, Path]]:
-    """Write ``<out_dir>/users.acl`` and one ``<role>.password`` file per role (mode 0600); returns their paths."""
+    """Write ``<out_dir>/users.acl``, ``<out_dir>/nats-users.conf`` (0600) and one ``<role>.password`` file per role
+    (0600); returns the ACL's path and the password files'."""
     out_dir.mkdir(parents=True, exist_ok=True)
     passwords = {role: secrets.token_urlsafe(24) for role in ROLES}
     files: dict[str, Path] = {}
     for role, password in passwords.items():
-        path = out_dir / f"{role}.password"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(password + "\n")
-        files[role] = path
+        files[role] = _private(out_dir / f"{role}.password", password + "\n")
     acl = out_dir / "users.acl"
     acl.write_text("\n".join(acl_lines(names, passwords)) + "\n")
+    _private(out_dir / "nats-users.conf", nats_config(names, passwords))
     return acl, files
 
 
@@ -105,6 +138,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl acl") -> int:
         ap.error(str(exc))
     acl, files = write_acl(names, args.out)
     print(f"{prog}: wrote {acl} (load with: valkey-server --aclfile {acl}, or ACL LOAD)", file=sys.stderr)
+    print(f"{prog}: wrote {acl.parent / 'nats-users.conf'} (NATS users: nats-server -c it, or `include` it)",
+          file=sys.stderr)  # fmt: skip
     for role, path in files.items():
         print(f"  {names.prefix}-{role}: password in {path}  -> redis://{names.prefix}-{role}:<password>@HOST:6379/0",
               file=sys.stderr)  # fmt: skip

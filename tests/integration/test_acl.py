@@ -135,3 +135,70 @@ def test_a_generator_cannot_write_prompts_delete_keys_or_leave_its_prefix(
         redis.Redis.from_url(urls["generator"].replace(":", ":x", 2).replace("redis:x//", "redis://")).ping()
     gen.close()
     admin.close()
+
+
+async def test_nats_users_give_each_role_only_its_subjects(tmp_path: Path) -> None:
+    """The NATS half of ``async-rl acl`` on a real nats-server: the generator publishes heartbeats and hears weights and
+    control, and is refused publishing weights or control, listening to heartbeats, or any other run's subjects."""
+    import asyncio
+
+    import nats
+
+    from async_rl.control import ControlPlane, Heartbeat, Message, WeightsAnnounced
+    from async_rl.servers import nats_binary
+
+    names = Names(prefix=f"t-nacl-{uuid.uuid4().hex[:8]}")
+    out = tmp_path / "acl"
+    assert acl_main(["--run", names.prefix, "--out", str(out)]) == 0
+    conf = out / "nats-users.conf"
+    assert conf.stat().st_mode & 0o077 == 0
+    port = free_port()
+    server = EmbeddedServer("nats", "", _spawn("nats", [str(nats_binary()), "-a", "127.0.0.1", "-p", str(port), "-c",
+                                                        str(conf)], port, tmp_path), tmp_path, tmp_path / "nats.log")  # fmt: skip
+
+    def url(role: str) -> str:
+        return f"nats://{names.prefix}-{role}:{(out / f'{role}.password').read_text().strip()}@127.0.0.1:{port}"
+
+    try:
+        # Allowed paths, through the project's own control plane: heartbeats reach the learner, weights the generator.
+        async with ControlPlane(url("learner")) as learner, ControlPlane(url("generator")) as gen:
+            got: asyncio.Queue[Message] = asyncio.Queue()
+
+            async def put(m: Message) -> None:
+                await got.put(m)
+
+            await learner.subscribe(names.heartbeat_subject, put)
+            await gen.subscribe(names.weights_subject, put)
+            await learner.flush()
+            await gen.flush()
+            await gen.publish(names.heartbeat_subject, Heartbeat(generator_id="g", engine="torch", version=0))
+            await learner.publish(names.weights_subject, WeightsAnnounced(version=1, manifest_key="k", total_bytes=1))
+            kinds = {type(await asyncio.wait_for(got.get(), 10)).__name__ for _ in range(2)}
+            assert kinds == {"Heartbeat", "WeightsAnnounced"}
+
+        # Refused: every violation comes back from the server as a permissions error.
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        other = Names(prefix="another-run")
+        nc = await nats.connect(url("generator"), error_cb=on_error, allow_reconnect=False)
+        try:
+            for subject in (names.weights_subject, names.control_subject, other.heartbeat_subject):
+                await nc.publish(subject, b"x")
+            for subject in (names.heartbeat_subject, other.weights_subject):
+                await nc.subscribe(subject)
+            await nc.flush(timeout=5)
+            await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
+        joined = "\n".join(errors).lower()
+        for subject in (names.weights_subject, names.control_subject, other.heartbeat_subject):
+            assert f'publish to "{subject}"' in joined, errors
+        for subject in (names.heartbeat_subject, other.weights_subject):
+            assert f'subscription to "{subject}"' in joined, errors
+        with pytest.raises(Exception, match="(?i)authorization"):
+            await nats.connect(url("generator").replace("@", "x@"), allow_reconnect=False, max_reconnect_attempts=0)
+    finally:
+        server.stop()
