@@ -80,6 +80,14 @@ class Heartbeat:
     """'starting' | 'running' | 'paused' | 'draining' | 'stopping'."""
     weight_failures: int = 0
     """Weight versions refused so far (incomplete or corrupt)."""
+    swap_pause_ms: float = 0.0
+    """Generation pause of the last weight swap."""
+    fetch_s: float = 0.0
+    """Time the last weight version took to fetch and verify."""
+    interval_s: float = 0.0
+    """Seconds between this generator's heartbeats (0: not said): three missed ones mean it is gone."""
+    reclaim_idle_ms: int = 0
+    """The generator's ``prompts.reclaim_idle_ms``: when others take over what it holds if it vanishes."""
     started_at: float = 0.0
     """Unix time the generator started."""
     sent_at: float = field(default_factory=time.time)

@@ -136,6 +136,11 @@ class Names:
         return self.key("weights", "retiring")
 
     @property
+    def generators(self) -> str:
+        """Hash: generator id -> its last heartbeat (kept by the learner; ``async-rl status`` lists the departed)."""
+        return self.key("generators")
+
+    @property
     def learner_state(self) -> str:
         """Hash the learner publishes about itself (version, step, started_at)."""
         return self.key("learner", "state")

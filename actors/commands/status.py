@@ -1,5 +1,10 @@
 """``async-rl status``: generators alive (from heartbeats), their versions and throughput, stream
-depths, pending counts, dead letters, learner version and published weight versions."""
+depths, pending counts, dead letters, learner version and published weight versions.
+
+Generators that left (their last heartbeat said 'stopping') or were lost (no heartbeat for a while: killed, host
+gone) stay in the table from the learner's registry (``names.generators``), with the prompts they still hold
+pending and when other generators may reclaim them (after its ``prompts.reclaim_idle_ms``, which its heartbeats
+carry; 300 s by default)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import time
 from typing import Any
 
 from async_rl.run_config import RunConfig
+from buffer.prompts import PromptQueueConfig
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
@@ -48,16 +54,29 @@ async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) 
         versions = [int(v) for v in await client.zrange(names.weights_versions, 0, -1)]  # type: ignore[arg-type]
         latest = await client.get(names.weights_latest)
         scaling = await client.get(names.scaling_state)
+        registry: dict[bytes, bytes] = await client.hgetall(names.generators)  # type: ignore[assignment]
     finally:
         await client.aclose()
     now = time.time()
+    beats = {**_registry(registry), **heartbeats}  # what was heard just now wins over the learner's registry
+    pending = {c["name"]: c for c in stats["prompts"]["stream"].get("consumers", [])}
+    default_reclaim_ms = PromptQueueConfig().reclaim_idle_ms
     gens = []
-    for h in sorted(heartbeats.values(), key=lambda h: h.generator_id):
+    for h in sorted(beats.values(), key=lambda h: h.generator_id):
+        # Three missed heartbeats (the generator says its interval), and never less than this listening window.
+        fresh_s = max(3 * h.interval_s, listen_s + h.interval_s) if h.interval_s else max(3 * listen_s, 10.0)
+        alive = now - h.sent_at < fresh_s and h.state != "stopping"
+        held = pending.get(h.generator_id, {"pending": 0, "idle_ms": 0})
+        reclaim_ms = h.reclaim_idle_ms or default_reclaim_ms
+        if not alive and not held["pending"] and now - h.sent_at > 3600:
+            continue  # long gone and holding nothing: not worth a row
         gens.append({
             "id": h.generator_id, "host": h.host, "pid": h.pid, "engine": h.engine, "version": h.version,
-            "tokens_per_s": round(h.tokens_per_s, 1), "in_flight": h.in_flight, "state": h.state,
-            "weight_failures": h.weight_failures, "last_seen_s": round(now - h.sent_at, 1),
-            "alive": now - h.sent_at < max(3 * listen_s, 10.0) and h.state != "stopping",
+            "tokens_per_s": round(h.tokens_per_s, 1), "in_flight": h.in_flight,
+            "state": h.state if alive else ("left" if h.state == "stopping" else "lost"),
+            "weight_failures": h.weight_failures, "last_seen_s": round(now - h.sent_at, 1), "alive": alive,
+            "pending_prompts": int(held["pending"]),
+            "reclaim_in_s": round(max(reclaim_ms - int(held["idle_ms"]), 0) / 1000) if held["pending"] else None,
         })  # fmt: skip
     return {
         "prefix": run.prefix,
@@ -67,6 +86,21 @@ async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) 
         "buffer": stats,
         "scaling": _scaling(scaling),
     }
+
+
+def _registry(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    """The learner's registry of generators (id -> last heartbeat); entries that do not decode are skipped."""
+    from async_rl.control import Heartbeat, MessageError, decode
+
+    out: dict[str, Any] = {}
+    for value in raw.values():
+        try:
+            msg = decode(value)
+        except MessageError:
+            continue
+        if isinstance(msg, Heartbeat):
+            out[msg.generator_id] = msg
+    return out
 
 
 def _scaling(raw: Any) -> dict[str, Any] | None:
@@ -102,14 +136,16 @@ def render(snap: dict[str, Any]) -> Any:
         fates.add_column(col, justify="right")
     fates.add_row(*(str(a[k]) for k in ("issued", "trained", "dropped_stale", "dead_lettered", "in_flight")))
     gens = Table(title="generators")
-    for col in ("id", "host", "engine", "state", "version", "staleness", "tokens/s", "in flight", "last seen"):
+    for col in ("id", "host", "engine", "state", "version", "staleness", "tokens/s", "in flight", "last seen",
+                "pending prompts", "reclaimable in"):
         gens.add_column(col)
     v = int(learner.get("version", 0) or 0)
     for g in snap["generators"]:
         style = None if g["alive"] else "dim"
-        gens.add_row(g["id"], g["host"], g["engine"], g["state"] if g["alive"] else "gone", str(g["version"]),
-                     str(v - g["version"]), f"{g['tokens_per_s']:.0f}", str(g["in_flight"]), f"{g['last_seen_s']}s",
-                     style=style)  # fmt: skip
+        reclaim = "-" if g["reclaim_in_s"] is None else ("now" if g["reclaim_in_s"] == 0 else f"{g['reclaim_in_s']}s")
+        gens.add_row(g["id"], g["host"], g["engine"], g["state"], str(g["version"]), str(v - g["version"]),
+                     f"{g['tokens_per_s']:.0f}", str(g["in_flight"]), f"{g['last_seen_s']}s",
+                     str(g["pending_prompts"]), reclaim, style=style)  # fmt: skip
     parts: list[Any] = [head, fates, gens]
     s = snap["scaling"]
     if s:
@@ -151,7 +187,8 @@ async def _run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(await snapshot(run, heartbeats, args.listen_s), indent=2, default=str))
             return 0
-        console = Console()
+        # Piped (a log, a file): tables as wide as their content instead of cut at 80 columns.
+        console = Console() if sys.stdout.isatty() else Console(width=400)
         if not args.watch:
             console.print(render(await snapshot(run, heartbeats, args.listen_s)))
             return 0

@@ -226,6 +226,9 @@ class Generator:
             generator_id=self.cfg.generator_id, engine=self.cfg.engine, version=self._engine.version,
             tokens_per_s=tokens_per_s, in_flight=len(self._held), state=self.state,
             weight_failures=self._sync.num_failures if self._sync else 0, started_at=self._started_at,
+            swap_pause_ms=self._engine.last_swap_pause_s * 1e3, reclaim_idle_ms=self.cfg.prompts.reclaim_idle_ms,
+            interval_s=self.cfg.heartbeat_interval_s,
+            fetch_s=self._sync.last_fetch.total_s if self._sync and self._sync.last_fetch else 0.0,
         )  # fmt: skip
 
     async def _heartbeat_loop(self) -> None:

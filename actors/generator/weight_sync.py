@@ -228,7 +228,7 @@ class WeightSync:
             # Timings and manifest only: the tensors (a whole version of buffers) belong to the engine now.
             self.last_fetch = dataclasses.replace(fetched, tensors={})
             self.num_staged += 1
-            log.info(
+            log.debug(
                 "staged weights v%d: %.1f MB in %.2fs (%.2f GB/s; waiting for verified bytes %.2fs)",
                 fetched.version, fetched.manifest.total_bytes / 1e6, fetched.total_s, fetched.gbps, fetched.transfer_s,
             )  # fmt: skip

@@ -109,6 +109,9 @@ class Learner:
     _metrics: MetricsLogger | None
     _task: Task
     _checkpoints: CheckpointManager
+    _last_ckpt_s: float | None
+    """Seconds the checkpoint written during this step took (None: none written), for the step's one line."""
+    _last_publish_s: float | None
     _checker: EntryChecker | None
     _unacked: list[tuple[str, str, int]]
     _pending_rows: list[tuple[int, dict[str, Any]]]
@@ -130,6 +133,7 @@ class Learner:
         self._metrics = None
         self._task = build_task(cfg.task)
         self._checkpoints = CheckpointManager(cfg.run.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+        self._last_ckpt_s = self._last_publish_s = None
         self._checker = None
         self._unacked = []  # (entry id, prompt id, step) of trained steps not yet committed
         self._pending_rows = []  # (step, metrics row) of those steps, written with their commit
@@ -344,6 +348,7 @@ class Learner:
             "max_staleness_seen": self._max_staleness_seen,
             "published_version": self.state.version if publishing else self.state.published_version,
             **{f"buffer/{k}": v for k, v in counters.items()},
+            **self._signals.fleet_metrics(),
         }  # fmt: skip
         for key in groups[0].samples[0].reward_info:  # every group has samples (the wire format checks it)
             metrics[f"reward/{key}"] = float(np.mean([s.reward_info.get(key, 0.0) for g in groups for s in g.samples]))
@@ -361,9 +366,13 @@ class Learner:
                                         LearnerProgress(step=self.state.step, version=self.state.version,
                                                         metrics=scalars))  # fmt: skip
         await self._signals.stepped(step, metrics, [version_before - g.min_version for g in groups])
-        log.info("step %d v%d reward %.3f loss %.4f staleness<=%d groups %d tokens %d %.2fs",
+        done = "".join(f" {what} {s:.2f}s" for what, s in (("checkpoint", self._last_ckpt_s),
+                                                           ("publish", self._last_publish_s)) if s is not None)  # fmt: skip
+        self._last_ckpt_s = self._last_publish_s = None
+        log.info("step %d v%d reward %.3f loss %.4f staleness<=%d groups %d tokens %d gens %d %.2fs (train %.2fs%s)",
                  self.state.step, self.state.version, reward_mean, result.metrics.get("loss", float("nan")),
-                 metrics["staleness_group_max"], len(groups), num_tokens, time.monotonic() - t0)  # fmt: skip
+                 metrics["staleness_group_max"], len(groups), num_tokens, int(metrics["generators/alive"]),
+                 time.monotonic() - t0, train_s, done)  # fmt: skip
 
     async def _on_step_error(self, entries: list[RolloutEntry], exc: Exception) -> None:
         """Find the groups a failed step choked on (each alone, forward only); dead-letter them, give back the rest."""
@@ -418,7 +427,11 @@ class Learner:
         assert self._reader is not None and self._metrics is not None
         self.state.extra["commit"] = [list(u) for u in self._unacked]
         self.state.extra["metrics_rows"] = [[step, row] for step, row in self._pending_rows]
+        t0 = time.monotonic()
         await asyncio.to_thread(self._checkpoints.save, self.backend, self.state)
+        self._last_ckpt_s = time.monotonic() - t0  # the step's line says it (one line per step)
+        log.debug("checkpoint of step %d written in %.2fs; committing %d groups", self.state.step, self._last_ckpt_s,
+                  len(self._unacked))  # fmt: skip
         if self._unacked:
             await self._reader.ack([eid for eid, _, _ in self._unacked],
                                    fates=[(pid, f"step {step}") for _, pid, step in self._unacked])  # fmt: skip
@@ -452,15 +465,19 @@ class Learner:
         self.state.published_version = self.state.version
         if self._checker is not None:  # tokens of this version may arrive from now on
             self._checker.max_version = max(self._checker.max_version or 0, self.state.version)
-        log.info("published weights v%d (%.1f MB) in %.2fs", self.state.version,
-                 sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6, time.monotonic() - t0)  # fmt: skip
+        self._last_publish_s = time.monotonic() - t0
+        # The first version at start-up gets a line of its own; later ones are in their step's line.
+        log.log(logging.INFO if self.state.step == 0 else logging.DEBUG, "published weights v%d (%.1f MB) in %.2fs",
+                self.state.version, sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
+                self._last_publish_s)  # fmt: skip
 
     async def _counters(self) -> dict[str, int]:
         assert self._redis is not None and self._prompts is not None
         names = self.cfg.run.names
         raw: dict[bytes, bytes] = await self._redis.hgetall(names.rollout_counters)  # type: ignore[assignment]
         audit = {f"audit_{k}": v for k, v in (await self._prompts.audit.counters()).items()}
-        return {**{k.decode(): int(v) for k, v in raw.items()}, **audit}
+        backlog = int(await self._redis.xlen(names.rollouts_stream))
+        return {**{k.decode(): int(v) for k, v in raw.items()}, **audit, "backlog": backlog}
 
 
 def _model_facts(cfg: LearnerConfig) -> ModelFacts:

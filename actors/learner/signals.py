@@ -8,7 +8,13 @@
   kept under ``names.scaling_state`` in Redis (``async-rl status`` shows it). Generators alive are counted from
   their heartbeats on NATS.
 
-Both are informational: a failure here is logged and never stops training.
+* **The fleet** (from the same heartbeats): a generator's arrival, departure (its last heartbeat says
+  'stopping') and loss (no heartbeat for ``scaling.heartbeat_timeout_s``) are logged once each; every heartbeat is
+  kept under ``names.generators`` in Redis, so ``async-rl status`` shows departed and lost generators with the
+  prompts they left pending; per-step figures (alive, tokens/s per generator and together, swap pause, fetch time)
+  go into the step's metrics row (wandb, JSONL).
+
+All of it is informational: a failure here is logged and never stops training.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class LearnerSignals:
     _redis: aioredis.Redis | None
     _control: ControlPlane | None
     _beats: dict[str, Heartbeat]
+    _lost: set[str]
+    """Generators already reported lost (reported again only after they come back)."""
     _batch_ready_at: float
     _waited_s: float
 
@@ -70,6 +78,7 @@ class LearnerSignals:
         self._redis = None
         self._control = None
         self._beats = {}
+        self._lost = set()
         self._batch_ready_at = time.monotonic()
         self._waited_s = 0.0
 
@@ -80,14 +89,46 @@ class LearnerSignals:
 
     async def _on_heartbeat(self, msg: Message) -> None:
         assert isinstance(msg, Heartbeat)
-        self._beats[msg.generator_id] = msg
+        gid, before = msg.generator_id, self._beats.get(msg.generator_id)
+        self._beats[gid] = msg
+        if msg.state == "stopping":
+            log.info("generator %s left (%s pid %d)", gid, msg.host, msg.pid)
+        elif before is None or before.state == "stopping" or gid in self._lost:
+            log.info("generator %s %s (%s pid %d, %s engine, weights v%d)", gid,
+                     "is back" if gid in self._lost else "joined", msg.host, msg.pid, msg.engine, msg.version)  # fmt: skip
+            self._lost.discard(gid)
+        if self._redis is not None:
+            try:  # the registry async-rl status reads: departed and lost generators stay visible there
+                await self._redis.hset(self.cfg.run.names.generators, gid, encode(msg))
+            except Exception as exc:  # informational
+                log.debug("generator registry update failed: %r", exc)
 
     def generators_alive(self) -> int:
         now = time.time()
         timeout_s = self.cfg.scaling.heartbeat_timeout_s
         for gid in [g for g, h in self._beats.items() if now - h.sent_at > 10 * timeout_s]:
             del self._beats[gid]  # long gone: forget them
+            self._lost.discard(gid)
+        for gid, h in self._beats.items():
+            if h.state != "stopping" and now - h.sent_at >= timeout_s and gid not in self._lost:
+                self._lost.add(gid)
+                log.warning("generator %s (%s pid %d) lost: no heartbeat for %.0fs; it held %d prompts, which other "
+                            "generators reclaim once they have been idle for prompts.reclaim_idle_ms", gid, h.host,
+                            h.pid, now - h.sent_at, h.in_flight)  # fmt: skip
         return sum(1 for h in self._beats.values() if now - h.sent_at < timeout_s and h.state != "stopping")
+
+    def fleet_metrics(self) -> dict[str, float]:
+        """Figures of the generators for the step's metrics row: alive, tokens/s (each and together), the largest
+        swap pause and fetch time among the live ones."""
+        now, timeout_s = time.time(), self.cfg.scaling.heartbeat_timeout_s
+        live = [h for h in self._beats.values() if now - h.sent_at < timeout_s and h.state != "stopping"]
+        out = {"generators/alive": float(len(live)), "generators/lost": float(len(self._lost)),
+               "generators/tokens_per_s": float(sum(h.tokens_per_s for h in live)),
+               "generators/swap_pause_ms_max": max((h.swap_pause_ms for h in live), default=0.0),
+               "generators/fetch_s_max": max((h.fetch_s for h in live), default=0.0)}  # fmt: skip
+        for h in live:
+            out[f"generators/{h.generator_id}/tokens_per_s"] = float(h.tokens_per_s)
+        return out
 
     def batch_ready(self, waited_s: float) -> None:
         """The learner has its batch after waiting ``waited_s`` for it; training starts now."""

@@ -9,6 +9,7 @@ trains every group exactly once; a generator that joins mid-run starts on the ne
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import redis
 
+from actors.commands.status import main as status_main
 from async_rl.names import Names
 from async_rl.servers import ServerSet
 from async_rl.wire import decode_group, decode_prompt
@@ -66,12 +68,22 @@ def test_reward_improves(procs: Procs) -> None:
     assert versions[-1] == 40  # published every step
 
 
-def test_generator_sigkill_loses_no_prompt(procs: Procs, servers: ServerSet, names: Names) -> None:
-    procs.learner("max_steps=14")
+def test_generator_sigkill_loses_no_prompt(procs: Procs, servers: ServerSet, names: Names, capsys) -> None:
+    STEPS = 60  # noqa: N806 - long enough for the learner to see gen-0's heartbeats stop (2 s) while it trains
+    procs.learner(f"max_steps={STEPS}", "scaling.heartbeat_timeout_s=2")
     procs.generator("gen-0")
     procs.generator("gen-1")
     procs.wait_for("3 learner steps", lambda: _steps(procs) >= 3, timeout_s=240)
     procs.stop("gen-0", signal.SIGKILL)
+    # The learner notices the lost heartbeat; status keeps showing the dead generator (from the learner's registry).
+    procs.wait_for("the learner logs gen-0 lost", lambda: "generator gen-0 (" in procs.log("learner")
+                   and "lost: no heartbeat" in procs.log("learner"), timeout_s=120)  # fmt: skip
+    argv = ["--prefix", names.prefix, "--redis-url", servers.redis_url, "--listen-s", "0.1", "--json"]
+    assert status_main(argv) == 0
+    gens = {g["id"]: g for g in json.loads(capsys.readouterr().out)["generators"]}
+    assert gens["gen-0"]["state"] == "lost" and not gens["gen-0"]["alive"], gens
+    assert gens["gen-1"]["alive"] and isinstance(gens["gen-0"]["pending_prompts"], int)
+    assert "generator gen-1 joined" in procs.log("learner")
     procs.wait_for("learner done", lambda: procs.procs["learner"].poll() is not None, timeout_s=300)
     assert procs.procs["learner"].returncode == 0, procs.tails()
     procs.stop("gen-1")
@@ -88,7 +100,7 @@ def test_generator_sigkill_loses_no_prompt(procs: Procs, servers: ServerSet, nam
     finally:
         client.close()
     step, trained = _seen_groups(procs.run_dir)
-    assert step == 14 and len(trained) == 14 * 8
+    assert step == STEPS and len(trained) == STEPS * 8
     issued_ids = {f"copy-0-{i}" for i in range(issued)}
     missing = issued_ids - trained - in_prompts - in_rollouts
     assert len(missing) == dropped, f"{len(missing)} prompts unaccounted for (dropped_stale {dropped})"
