@@ -31,7 +31,9 @@ def test_vllm_generator_feeds_the_learner(servers: ServerSet, names: Names, tmp_
     procs = Procs(servers, names, tmp_path / "run")
     try:
         procs.learner(f"max_steps={NUM_STEPS}", "batch_groups=4")
-        procs.start("gen-vllm", "generator", [*VLLM_GENERATOR_ARGS, "generator_id=gen-vllm"])
+        # on_run_end=wait: the generator outlives the learner's run end, so that it is stopped by SIGTERM below
+        # (with the default, exit, it races its own exit against that signal).
+        procs.start("gen-vllm", "generator", [*VLLM_GENERATOR_ARGS, "generator_id=gen-vllm", "on_run_end=wait"])
         procs.wait_for("the learner's steps", lambda: procs.procs["learner"].poll() is not None, timeout_s=420)
         assert procs.procs["learner"].returncode == 0, procs.tails()
         rows = procs.metrics()
