@@ -151,7 +151,8 @@ class Learner:
         self.stop_event.set()
 
     # ------------------------------------------------------------------ lifecycle
-    async def setup(self) -> None:
+    async def setup(self, stack: contextlib.AsyncExitStack) -> None:
+        """Restore, connect and publish the first version; every resource is entered in ``stack`` as it opens."""
         cfg, names = self.cfg, self.cfg.run.names
         assert cfg.run.redis_url and cfg.run.nats_url, "URLs are resolved by the entry point"
         if cfg.checkpoint.resume:
@@ -162,9 +163,13 @@ class Learner:
                 log.info("resumed from checkpoint: step %d, version %d, %d groups trained",
                          restored.step, restored.version, len(restored.seen_group_ids))  # fmt: skip
         self._redis = redis_client(cfg.run.redis_url)  # bounded retries, then the error (async_rl.reach)
+        stack.push_async_callback(self._redis.aclose)
         self._control = await ControlPlane(cfg.run.nats_url, name="learner", cfg=cfg.control).connect()
+        stack.push_async_callback(self._control.close)
+        stack.callback(self._signals.close)
         await self._signals.start(self._redis, self._control)
         transport = make_transport(cfg.transport, cfg.run.redis_url, names)
+        stack.push_async_callback(transport.close)
         self._publisher = WeightPublisher(self._redis, transport, names, cfg.publisher, self._control)
         await self._publisher.clean_staging()
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
@@ -175,6 +180,7 @@ class Learner:
         self.state.prompts_issued = max(self.state.prompts_issued, issued)
         self._metrics = MetricsLogger(cfg.metrics, cfg.run.run_dir, config=public_config(cfg),
                                       name=cfg.run.prefix)  # fmt: skip
+        stack.callback(self._metrics.close)
         await self._finish_restored_commit()
         await clear_run_end(self._redis, names)  # this learner carries the run on: an earlier end no longer applies
         await self._redis.hset(names.learner_state, mapping={
@@ -188,20 +194,15 @@ class Learner:
             self.state.published_version = latest
         self._checker.max_version = max(self.state.version, self.state.published_version)
 
-    async def close(self) -> None:
-        self._signals.close()
-        if self._metrics is not None:
-            self._metrics.close()
-        if self._control is not None:
-            await self._control.close()
-        if self._publisher is not None:
-            with contextlib.suppress(Exception):
-                await self._publisher.transport.close()
-        if self._redis is not None:
-            await self._redis.aclose()
-
     async def run(self) -> LearnerState:
-        await self.setup()
+        """Set up, then steps until stopped or done; on every path the resources close in reverse order of opening
+        (an AsyncExitStack), a failed setup included."""
+        async with contextlib.AsyncExitStack() as stack:
+            await self.setup(stack)
+            await self._loop()
+        return self.state
+
+    async def _loop(self) -> None:
         try:
             while not self.stop_event.is_set() and not self._done():
                 t0 = time.monotonic()
@@ -221,9 +222,6 @@ class Learner:
                 with contextlib.suppress(Exception):
                     await self._reader.record_error(self._reader.in_flight, error_line(exc))
             raise
-        finally:
-            await self.close()
-        return self.state
 
     async def _end_run(self) -> None:
         """Announce the end of the run (async_rl.run_end): its generators drain and exit."""
