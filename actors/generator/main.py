@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from async_rl.entry import config_parser, parse_config, setup_logging
@@ -47,4 +48,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
         logging.getLogger("actors.generator").debug("exiting on", exc_info=exc)
         print(f"{prog}: {cfg.generator_id}: {line}; exiting", file=sys.stderr)
         return 1
+    finally:
+        # Already on the way out (the event loop and its signal handlers are gone; an engine's worker processes
+        # may still take seconds to wind down): a SIGTERM now must not turn a clean exit into death by signal.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
