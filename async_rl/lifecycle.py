@@ -17,6 +17,10 @@ from urllib.parse import urlsplit, urlunsplit
 T = TypeVar("T")
 
 
+class StartupError(RuntimeError):
+    """A process cannot start as configured (a port taken, a file missing): the message is the one line to print."""
+
+
 class TaskFailed(RuntimeError):
     """A named long-lived task of a process failed; the message names the task and its error."""
 

@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from async_rl.lifecycle import StartupError
+
 log = logging.getLogger(__name__)
 
 
@@ -68,7 +70,7 @@ class Exporter:
         return self.cfg.port > 0
 
     def start(self) -> Exporter:
-        """Create the metrics and listen (a port in use raises ``OSError`` naming it)."""
+        """Create the metrics and listen (a port in use raises :class:`StartupError` naming it)."""
         if not self.enabled:
             return self
         import prometheus_client as pc
@@ -87,7 +89,7 @@ class Exporter:
         try:
             self._server, self._thread = pc.start_http_server(self.cfg.port, addr=self.cfg.host, registry=registry)
         except OSError as exc:
-            raise OSError(f"cannot serve /metrics on {self.cfg.host}:{self.cfg.port}: {exc}") from exc
+            raise StartupError(f"cannot serve /metrics on {self.cfg.host}:{self.cfg.port}: {exc}") from exc
         self.port = int(self._server.server_port)
         log.info("serving Prometheus metrics on http://%s:%d/metrics", self.cfg.host, self.port)
         return self

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
     import asyncio
 
     from actors.generator.process import Generator
-    from async_rl.lifecycle import first_task_failure
+    from async_rl.lifecycle import StartupError, first_task_failure
 
     async def _run() -> None:
         gen = Generator(cfg)
@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
         asyncio.run(_run())
     except Exception as exc:  # a lost server or a failed long-lived task: one line, exit 1, the supervisor restarts us
         line = describe_failure(exc, cfg.run.redis_url, cfg.run.nats_url)
+        if line is None and isinstance(exc, StartupError):
+            line = str(exc)
         if line is None and isinstance(exc, BaseExceptionGroup):
             failed = first_task_failure(exc)
             line = None if failed is None else str(failed)

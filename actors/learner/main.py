@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
         servers = ensure_servers(cfg.run.redis_url, cfg.run.nats_url)
         cfg.run.redis_url, cfg.run.nats_url = servers.redis_url, servers.nats_url
         print(f"{prog}: started embedded servers: {servers.redis_url} {servers.nats_url}", file=sys.stderr)
+    from async_rl.lifecycle import StartupError
     from async_rl.reach import Unreachable, check_servers, describe_failure
 
     try:  # before anything heavy: a server that is not there is named within seconds
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
             asyncio.run(_run())
         except Exception as exc:  # a server lost at run time: one line, non-zero, the supervisor restarts us
             line = describe_failure(exc, cfg.run.redis_url, cfg.run.nats_url)
+            if line is None and isinstance(exc, StartupError):
+                line = str(exc)
             if line is None:
                 raise
             print(f"{prog}: {line}; exiting", file=sys.stderr)

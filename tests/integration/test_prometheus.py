@@ -140,4 +140,5 @@ def test_a_port_in_use_is_named(servers: ServerSet, names: Names, tmp_path: Path
             assert proc.wait(120) != 0
         finally:
             p.close()
-        assert f"cannot serve /metrics on 127.0.0.1:{port}" in p.log("learner")
+        log = p.log("learner")
+        assert f"async-rl learner: cannot serve /metrics on 127.0.0.1:{port}" in log and "Traceback" not in log, log
