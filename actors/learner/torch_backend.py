@@ -10,6 +10,7 @@ AdamW. Weights are exported under their Hugging Face names.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,7 @@ from torch import nn
 
 from actors.learner.backend import TrainingBackend
 from actors.learner.config import TorchBackendConfig
+from actors.learner.lr_schedule import lr_factor
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 from async_rl.hf_moe import find_moe_layers, pack_routes, replay_routes
@@ -39,6 +41,8 @@ def resolve_device(device: str) -> torch.device:
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULE_FILE = "schedule.json"
+"""Optimizer steps taken: where the lr schedule continues after a resume."""
 
 
 def token_logprobs(
@@ -76,6 +80,8 @@ class TorchBackend(TrainingBackend):
     model: nn.Module
     reference_model: nn.Module | None
     optimizer: torch.optim.AdamW
+    optimizer_steps: int
+    """Optimizer steps taken (skipped non-finite steps excluded): the lr schedule's clock, saved with the model."""
     _num_moe_layers: int
     _top_k: int
 
@@ -107,6 +113,13 @@ class TorchBackend(TrainingBackend):
         self.optimizer = torch.optim.AdamW(
             params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
         )
+        self.optimizer_steps = 0
+
+    def lr_at(self, step: int) -> float:
+        """The lr of optimizer step ``step`` (1-based) under ``config.lr_schedule``."""
+        c = self.config
+        return c.lr * lr_factor(step, schedule=c.lr_schedule, warmup_steps=c.lr_warmup_steps,
+                                decay_steps=c.lr_decay_steps, min_ratio=c.lr_min_ratio)  # fmt: skip
 
     @property
     def is_main_rank(self) -> bool:
@@ -186,13 +199,17 @@ class TorchBackend(TrainingBackend):
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         finite = math.isfinite(grad_norm)
+        lr = self.lr_at(self.optimizer_steps + 1)
         if finite:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             self.optimizer.step()
+            self.optimizer_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         metrics = aggregate_metrics(parts)
         elapsed = time.perf_counter() - start
         metrics.update({
-            "loss": total_loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+            "loss": total_loss, "grad_norm": grad_norm, "lr": lr,
             "step_skipped": 0.0 if finite else 1.0, "num_micro_batches": float(len(micro_batches)),
             "train_tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
         })  # fmt: skip
@@ -211,6 +228,7 @@ class TorchBackend(TrainingBackend):
         directory.mkdir(parents=True, exist_ok=True)
         torch.save(self.model.state_dict(), directory / MODEL_FILE)
         torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+        (directory / SCHEDULE_FILE).write_text(json.dumps({"optimizer_steps": self.optimizer_steps}))
 
     def load(self, directory: Path) -> None:
         for f in (MODEL_FILE, OPTIMIZER_FILE):
@@ -220,6 +238,15 @@ class TorchBackend(TrainingBackend):
         self.model.load_state_dict(state, strict=True)
         self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location=self.device,
                                                   weights_only=True))  # fmt: skip
+        # The config, not the checkpoint, sets the hyper-parameters (load_state_dict restores the saved ones).
+        for group in self.optimizer.param_groups:
+            group.update(betas=self.config.betas, eps=self.config.eps, weight_decay=self.config.weight_decay)
+        schedule = directory / SCHEDULE_FILE
+        if schedule.is_file():
+            self.optimizer_steps = int(json.loads(schedule.read_text())["optimizer_steps"])
+        else:  # a checkpoint from before the schedule: the most steps Adam took on any parameter
+            steps = [int(st["step"]) for st in self.optimizer.state.values() if "step" in st]
+            self.optimizer_steps = max(steps, default=0)
 
     def follow(self) -> None:
         raise RuntimeError("the torch backend runs on one rank, the main one: there is nothing to follow")

@@ -269,3 +269,42 @@ def test_real_loss_fn_and_non_finite_steps_are_skipped() -> None:
     with pytest.raises(ValueError, match="no router"):
         dense.forward_logprobs(mb)
     assert dense.forward_logprobs(mb, replay_routes=False).logprobs.shape == mb.input_ids.shape
+
+
+def test_lr_schedules_warm_up_decay_and_hold() -> None:
+    from actors.learner.lr_schedule import lr_factor
+
+    def f(step: int, schedule: str, **kw: float) -> float:
+        args = {"warmup_steps": 0, "decay_steps": 100, "min_ratio": 0.1, **kw}
+        return lr_factor(step, schedule=schedule, **args)  # type: ignore[arg-type]
+
+    assert [f(s, "constant", warmup_steps=4) for s in (1, 2, 4, 5, 10_000)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+    assert f(1, "cosine") == pytest.approx(1.0, abs=1e-3) and f(50, "cosine") == pytest.approx(0.55)
+    assert f(100, "cosine") == pytest.approx(0.1) and f(10_000, "cosine") == pytest.approx(0.1)
+    assert f(50, "linear") == pytest.approx(0.55) and f(100, "linear") == pytest.approx(0.1)
+    assert f(15, "cosine", warmup_steps=10) == f(5, "cosine")  # the decay starts after the warm-up
+    with pytest.raises(ValueError, match="learner.torch.lr_decay_steps must be > 0"):
+        TorchBackendConfig(lr_schedule="cosine")
+    with pytest.raises(ValueError, match="learner.torch.lr_min_ratio"):
+        TorchBackendConfig(lr_min_ratio=1.5)
+
+
+def test_lr_schedule_is_applied_and_continues_after_a_resume(tmp_path: Path) -> None:
+    steps = [make_micro_batches(_samples(4, seed=s), BatchingConfig()) for s in range(4)]
+    kw = dict(lr=1e-2, lr_schedule="cosine", lr_warmup_steps=1, lr_decay_steps=4, lr_min_ratio=0.1)
+    a = _backend(_moe_model(seed=0), **kw)
+    lrs = [a.train_step(steps[i], pg_loss).metrics["lr"] for i in range(2)]
+    assert lrs == [pytest.approx(1e-2), pytest.approx(a.lr_at(2))] and a.lr_at(2) < 1e-2
+    a.save(tmp_path / "ckpt")
+    b = _backend(_moe_model(seed=7), **kw)
+    b.load(tmp_path / "ckpt")
+    assert b.optimizer_steps == 2
+    ra, rb = a.train_step(steps[2], pg_loss), b.train_step(steps[2], pg_loss)
+    assert ra.metrics["lr"] == rb.metrics["lr"] == pytest.approx(a.lr_at(3))
+    for (n, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(x, y), n
+    # A checkpoint written before the schedule existed resumes from Adam's own step count.
+    (tmp_path / "ckpt" / "schedule.json").unlink()
+    c = _backend(_moe_model(seed=7), **kw)
+    c.load(tmp_path / "ckpt")
+    assert c.optimizer_steps == 2
