@@ -110,16 +110,21 @@ def _finite(value: Any, what: str) -> float:
 
 
 def positional_credit(response: str, target: str, *, strict_length: bool) -> Score:
-    """Share of target positions the response gets right; with ``strict_length`` a wrong length also costs.
+    """Share of target positions the response gets right, the end of the answer counted as one more position.
 
-    ``reward = matches / len(target)`` (or ``/ max(len(target), len(response))`` when strict), plus
-    the components ``exact`` (1.0 when ``response == target``) and ``length_ok``.
+    Strict (the default of every toy task): ``reward = (matches + length_ok) / (max(len(target), len(response))
+    + 1)``, so 1.0 exactly when ``response == target``; a missing or extra character costs one position, and
+    ending at the right place earns one position whatever the digits, which a policy can learn from the first
+    step. Not strict: ``reward = matches / len(target)``: whatever follows a right prefix is ignored, so a
+    response that never stops gets full credit. Components (logged as ``reward/<name>``): ``exact`` (1.0 when
+    ``response == target``: the rate at which the task is solved) and ``length_ok`` (1.0 when the lengths match).
     """
     if not target:
         raise ValueError("positional_credit needs a non-empty target")
     matches = sum(1 for a, b in zip(response, target, strict=False) if a == b)
-    denom = max(len(target), len(response)) if strict_length else len(target)
-    return Score(
-        reward=matches / denom,
-        info={"exact": float(response == target), "length_ok": float(len(response) == len(target))},
-    )
+    length_ok = float(len(response) == len(target))
+    if strict_length:
+        reward = (matches + length_ok) / (max(len(target), len(response)) + 1)
+    else:
+        reward = matches / len(target)
+    return Score(reward=reward, info={"exact": float(response == target), "length_ok": length_ok})

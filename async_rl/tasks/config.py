@@ -23,8 +23,9 @@ class TaskConfig:
     """Toy tasks: fewest digits per operand."""
     max_digits: int = 5
     """Toy tasks: most digits per operand."""
-    strict_length: bool | None = None
-    """Toy tasks: let a wrong response length cost reward (None: only for ``add``)."""
+    strict_length: bool = True
+    """Toy tasks: a wrong response length costs reward, so the reward is 1.0 only for the exact answer (False: a
+    right prefix earns full credit whatever follows; see ``async_rl.tasks.base.positional_credit``)."""
     jsonl_path: str = ""
     """jsonl: the prompt file."""
     prompt_field: str = "prompt"

@@ -3,17 +3,20 @@
 Prompts are ``<bos>`` + digits + an operator character; the answer follows, ended by ``<eos>``:
 
 ========  ===============  ==========  =============================================
-task      prompt           answer      reward (per-position partial credit)
+task      prompt           answer      the answer
 ========  ===============  ==========  =============================================
-copy      ``12345=``       ``12345``   share of positions equal to the input
-reverse   ``12345<``       ``54321``   share of positions equal to the reversed input
-sort      ``31524>``       ``12345``   share of positions equal to the sorted input
-add       ``47+38=``       ``85``      share of digits right; a wrong length costs too
+copy      ``12345=``       ``12345``   the input
+reverse   ``12345<``       ``54321``   the reversed input
+sort      ``31524>``       ``12345``   the sorted input
+add       ``47+38=``       ``85``      the sum
 ========  ===============  ==========  =============================================
 
-The response is cut at its first ``<eos>``; other special tokens decode to ``?`` (never right).
-With ``strict_length`` (the default for ``add`` only) extra or missing characters lower the reward
-(``matches / max(len(target), len(response))``); otherwise the reward is ``matches / len(target)``.
+The response is cut at its first ``<eos>``; other special tokens decode to ``?`` (never right). The
+reward is per-position partial credit with the end of the answer counted as a position
+(:func:`~async_rl.tasks.base.positional_credit`): ``(matches + length_ok) / (max(len(target),
+len(response)) + 1)``, 1.0 exactly when the response is the answer. With ``strict_length=False`` it is
+``matches / len(target)``, which ignores whatever follows a right prefix (a policy that never stops
+gets full credit). Each score also reports ``exact`` (the answer, nothing more) and ``length_ok``.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class ToyTask(Task):
         seed: int = 0,
         min_digits: int = 5,
         max_digits: int = 5,
-        strict_length: bool | None = None,
+        strict_length: bool = True,
         reward_fn: RewardFn | None = None,
         max_new_tokens: int | None = None,
     ) -> None:
@@ -77,7 +80,7 @@ class ToyTask(Task):
         self.seed = seed
         self.min_digits = min_digits
         self.max_digits = max_digits
-        self.strict_length = (name == "add") if strict_length is None else strict_length
+        self.strict_length = strict_length
         self.reward_fn = reward_fn
         self._max_new_tokens = max_new_tokens
         if max_new_tokens is not None and max_new_tokens < 1:

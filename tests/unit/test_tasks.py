@@ -58,18 +58,24 @@ def test_toy_answers_and_partial_credit():
     assert a["target"] == str(int(x) + int(y)) and len(x) == 5
 
     m = {"target": "12345"}
+    # Positions right plus one for ending at the right place, over (longer length + 1): 1.0 only for the answer.
     assert copy.score(m, ids("12345")).reward == 1.0
-    assert copy.score(m, ids("12395")).reward == pytest.approx(0.8)
-    assert copy.score(m, ids("123")).reward == pytest.approx(0.6)
-    # Not strict: text after the answer is ignored, text after <eos> is never read.
-    assert copy.score(m, ids("123456")).reward == 1.0
-    assert copy.score(m, np.array([*tt.encode("12"), EOS, *tt.encode("345")])).reward == pytest.approx(0.4)
+    assert copy.score(m, ids("12395")).reward == pytest.approx(5 / 6)
+    assert copy.score(m, ids("123")).reward == pytest.approx(3 / 6)
+    assert copy.score(m, ids("123456")).reward == pytest.approx(5 / 7)  # a right prefix that does not stop
+    assert copy.score(m, ids("123456")).info == {"exact": 0.0, "length_ok": 0.0}
+    # Text after <eos> is never read.
+    assert copy.score(m, np.array([*tt.encode("12"), EOS, *tt.encode("345")])).reward == pytest.approx(2 / 6)
     # A special token inside a response keeps its place and is never right.
-    assert copy.score(m, np.array([*tt.encode("1"), tt.PAD_ID, *tt.encode("345")])).reward == pytest.approx(0.8)
-    # add is strict about length: a longer answer loses credit.
+    assert copy.score(m, np.array([*tt.encode("1"), tt.PAD_ID, *tt.encode("345")])).reward == pytest.approx(5 / 6)
     assert add.score({"target": "85"}, ids("85")).reward == 1.0
-    assert add.score({"target": "85"}, ids("851")).reward == pytest.approx(2 / 3)
-    assert add.score({"target": "85"}, ids("8")).reward == pytest.approx(0.5)
+    assert add.score({"target": "85"}, ids("851")).reward == pytest.approx(2 / 4)
+    assert add.score({"target": "85"}, ids("8")).reward == pytest.approx(1 / 3)
+    # strict_length=False: the old prefix credit, where text after the answer is ignored.
+    loose = build_task(TaskConfig(name="copy", strict_length=False))
+    assert loose.score(m, ids("123456")).reward == 1.0
+    assert loose.score(m, ids("123456")).info == {"exact": 0.0, "length_ok": 0.0}
+    assert loose.score(m, ids("123")).reward == pytest.approx(0.6)
     with pytest.raises(ValueError, match="target"):
         copy.score({}, ids("1"))
 
@@ -119,7 +125,7 @@ def test_jsonl_prompts_and_rewards(tmp_path, reward_module):
     assert task.score(p.metadata, ids("16")).reward == 0.0
 
     positional = build_task(TaskConfig(name="jsonl", jsonl_path=str(path), reward="positional"))
-    assert positional.score({"answer": "15"}, ids("16")).reward == pytest.approx(0.5)
+    assert positional.score({"answer": "15"}, ids("16")).reward == pytest.approx(2 / 3)
 
     path2 = tmp_path / "q.jsonl"
     path2.write_text(json.dumps(rows[2]) + "\n")
