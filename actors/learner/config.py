@@ -184,7 +184,11 @@ class LearnerConfig:
     max_steps: int = 0
     """Stop after this many optimizer steps (0: run until stopped)."""
     target_reward: float = 0.0
-    """Stop once the mean reward over the last target_window steps reaches this (0: off)."""
+    """Stop once the mean of ``target_metric`` over the last target_window steps reaches this (0: off)."""
+    target_metric: str = "reward"
+    """What target_reward is compared with: ``reward`` (the mean reward of a step's samples) or a reward
+    component ``reward/<name>`` the task reports (the toy tasks: ``reward/exact``, the exact-match rate, and
+    ``reward/length_ok``). A component the task does not report stops the learner at its first step."""
     target_window: int = 5
     """Steps averaged for target_reward."""
     read_block_ms: int = 500
@@ -205,6 +209,8 @@ class LearnerConfig:
             raise ValueError("learner.target_reward must be >= 0")
         if self.target_window < 1:
             raise ValueError("learner.target_window must be >= 1")
+        if self.target_metric != "reward" and not (self.target_metric.startswith("reward/") and self.target_metric[7:]):
+            raise ValueError(f"learner.target_metric must be 'reward' or 'reward/<component>', got {self.target_metric!r}")
         if self.read_block_ms < 1:
             raise ValueError("learner.read_block_ms must be >= 1")
         if not 0 <= self.admission_lag_versions <= self.staleness.max_staleness:

@@ -92,6 +92,14 @@ def build_samples(
     return samples, metrics, [float(x) for r in rewards for x in r]
 
 
+def target_value(metrics: dict[str, Any], name: str) -> float:
+    """The step's value of ``learner.target_metric``; ValueError naming what the task reports when it is absent."""
+    if name not in metrics:
+        known = sorted(k for k in metrics if k == "reward" or k.startswith("reward/"))
+        raise ValueError(f"learner.target_metric {name!r} is not reported by this task (it reports {known})")
+    return float(metrics[name])
+
+
 class Learner:
     """The learner process (see the module docstring)."""
 
@@ -237,9 +245,9 @@ class Learner:
         if cfg.max_steps and self.state.step >= cfg.max_steps:
             log.info("max_steps %d reached", cfg.max_steps)
             return True
-        window = self.reward_history[-cfg.target_window :]
+        window = self.state.extra.get("target_history", [])[-cfg.target_window :]
         if cfg.target_reward and len(window) == cfg.target_window and np.mean(window) >= cfg.target_reward:
-            log.info("target reward %.3f reached (mean of last %d steps %.3f)", cfg.target_reward,
+            log.info("target %s %.3f reached (mean of last %d steps %.3f)", cfg.target_metric, cfg.target_reward,
                      cfg.target_window, float(np.mean(window)))  # fmt: skip
             return True
         return False
@@ -350,6 +358,9 @@ class Learner:
         }  # fmt: skip
         for key in groups[0].samples[0].reward_info:  # every group has samples (the wire format checks it)
             metrics[f"reward/{key}"] = float(np.mean([s.reward_info.get(key, 0.0) for g in groups for s in g.samples]))
+        if cfg.target_reward:  # the early-stopping window, kept in the checkpoint like the reward history
+            self.state.extra["target_history"] = [*self.state.extra.get("target_history", [])[-cfg.target_window:],
+                                                  target_value(metrics, cfg.target_metric)]  # fmt: skip
         self._pending_rows.append((step, metrics))
         if step % cfg.checkpoint.every == 0:
             await self._commit()
