@@ -35,7 +35,8 @@ class LearnerState:
     step: int = 0
     """Optimizer steps taken."""
     version: int = 0
-    """Weight version of the current model (== step)."""
+    """Weight version of the current model: the step, plus the versions a resume skipped (those published by steps
+    lost with a killed learner are never reused)."""
     prompts_issued: int = 0
     """Data position: prompts issued so far (the next prompt index)."""
     published_version: int = -1

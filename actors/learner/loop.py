@@ -196,6 +196,13 @@ class Learner:
             "backend": cfg.backend, "model": cfg.model.name,
         })  # fmt: skip
         latest = await self._publisher.latest_version()
+        if latest is not None and latest > self.state.version:
+            # Killed between a publish and the checkpoint covering it: the versions past the checkpoint came from
+            # lost steps, and their numbers are never reused (generators only take newer ones). The restored
+            # weights go out now as the next version, so generators leave the lost trajectory at once.
+            log.warning("weights v%d-v%d came from steps lost with the previous learner; the restored step %d "
+                        "is published as v%d", self.state.version + 1, latest, self.state.step, latest + 1)  # fmt: skip
+            self.state.version = latest + 1
         if latest is None or latest < self.state.version:
             await self._publish()
         else:

@@ -1,0 +1,55 @@
+"""A learner SIGKILLed between a publish and the checkpoint covering it resumes (issue 21).
+
+With ``checkpoint.every`` > 1 the published weights run ahead of the checkpoint; the restarted learner used to
+crash on its first publish ("weights version 11 is not newer than the latest published version 17", the
+quickstart's checkpoint.every=10). Now the versions of the lost steps are skipped: the restored weights go out as
+the next version and training goes on.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import redis
+
+from async_rl.names import Names
+from async_rl.servers import ServerSet
+from tests.integration.procs import Procs
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def procs(servers: ServerSet, names: Names, tmp_path: Path):  # type: ignore[no-untyped-def]
+    p = Procs(servers, names, tmp_path / "run")
+    yield p
+    p.close()
+
+
+def test_killed_between_publish_and_checkpoint_resumes_on_a_new_version(procs: Procs, servers: ServerSet,
+                                                                        names: Names) -> None:  # fmt: skip
+    client = redis.Redis.from_url(servers.redis_url)
+
+    def published() -> int:
+        return int(client.get(names.weights_latest) or -1)
+
+    try:
+        # No checkpoint before the kill (every 100 steps), so the published versions are surely ahead of it.
+        procs.learner("max_steps=14", "checkpoint.every=100")
+        procs.generator("gen-0")
+        procs.wait_for("a few versions published", lambda: published() >= 5, timeout_s=240)
+        procs.stop("learner", signal.SIGKILL)
+        lost = published()
+        procs.learner("max_steps=14", "checkpoint.every=100", name="learner-2")
+        procs.wait_for("restarted learner done", lambda: procs.procs["learner-2"].poll() is not None, timeout_s=300)
+        assert procs.procs["learner-2"].returncode == 0, procs.tails()
+        assert "came from steps lost with the previous learner" in procs.log("learner-2")
+        rows = procs.metrics()
+        assert [r["step"] for r in rows] == list(range(1, 15))  # every committed step logged once
+        # The restored (here: initial) weights went out as lost + 1; each step adds one.
+        assert [r["version"] for r in rows] == [lost + 1 + r["step"] for r in rows]
+        assert published() == rows[-1]["version"]
+    finally:
+        client.close()
