@@ -28,13 +28,6 @@ from tests.integration.procs import Procs
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def procs(servers: ServerSet, names: Names, tmp_path: Path):  # type: ignore[no-untyped-def]
-    p = Procs(servers, names, tmp_path / "run")
-    yield p
-    p.close()
-
-
 def _steps(procs: Procs) -> int:
     rows = procs.metrics()
     return int(rows[-1]["step"]) if rows else 0

@@ -9,7 +9,6 @@ the next version and training goes on.
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 import pytest
 import redis
@@ -19,13 +18,6 @@ from async_rl.servers import ServerSet
 from tests.integration.procs import Procs
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def procs(servers: ServerSet, names: Names, tmp_path: Path):  # type: ignore[no-untyped-def]
-    p = Procs(servers, names, tmp_path / "run")
-    yield p
-    p.close()
 
 
 def test_killed_between_publish_and_checkpoint_resumes_on_a_new_version(procs: Procs, servers: ServerSet,

@@ -23,13 +23,6 @@ from tests.integration.procs import Procs
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def procs(servers: ServerSet, names: Names, tmp_path: Path):  # type: ignore[no-untyped-def]
-    p = Procs(servers, names, tmp_path / "run")
-    yield p
-    p.close()
-
-
 def scrape(port: int) -> dict[str, float]:
     """Every sample of ``/metrics`` as ``name{sorted labels but run/generator}`` -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:

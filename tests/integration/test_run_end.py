@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -21,13 +20,6 @@ from async_rl.servers import ServerSet
 from tests.integration.procs import Procs
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def procs(servers: ServerSet, names: Names, tmp_path: Path):  # type: ignore[no-untyped-def]
-    p = Procs(servers, names, tmp_path / "run")
-    yield p
-    p.close()
 
 
 def _recorded_end(servers: ServerSet, names: Names):  # type: ignore[no-untyped-def]
