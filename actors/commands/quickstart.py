@@ -143,7 +143,7 @@ def plot_rewards(points: list[tuple[float, int, float]], path: Path, target: flo
         a.set_ylabel("per step")
         a.set_ylim(0, 1.02)
         a.grid(alpha=0.3)
-    ax[0].legend(loc="lower right")
+    ax[0].legend(loc="upper left")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -282,9 +282,12 @@ async def _run(args: argparse.Namespace) -> int:
     wall_s = time.time() - t_start
     history = read_metrics(run_dir)
     rows = [r for r in history if "reward" in r]
-    shaped = [(r["time"] - t_start, r["step"], r["reward"]) for r in rows]
+    # When each step was taken (its live event); metrics rows are written in batches, at checkpoints.
+    seen_at = {step: t for t, step, _ in progress.rewards}
+    rows = [{**r, "time": seen_at.get(r["step"], r["time"] - t_start)} for r in rows]
+    shaped = [(r["time"], r["step"], r["reward"]) for r in rows]
     if rows:
-        progress.rewards = [(r["time"] - t_start, r["step"], r.get(HEADLINE, 0.0)) for r in rows]
+        progress.rewards = [(r["time"], r["step"], r.get(HEADLINE, 0.0)) for r in rows]
     png = args.png or run_dir / "reward.png"
     plot_rewards(progress.rewards, png, args.target_reward, f"quickstart: {args.generators} generators, tiny MoE, copy",
                  shaped=shaped)  # fmt: skip
