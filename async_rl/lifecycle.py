@@ -45,8 +45,9 @@ def raise_if_cancel_requested() -> None:
     """Raise ``CancelledError`` when the current task was asked to cancel but is still running.
 
     A loop calls this once per iteration: redis-py (8.1 seen here) swallows a cancellation that arrives while it
-    opens a new pooled connection, so a TaskGroup's cancel of the loop (after a sibling failed) can be lost and
-    the loop would read on forever; the task's own ``cancelling()`` count still says it was asked.
+    opens a new pooled connection, and Python 3.11's ``asyncio.wait_for`` one that races its inner future's
+    completion, so a TaskGroup's cancel of the loop (after a sibling failed) can be lost and the loop would run on
+    forever; the task's own ``cancelling()`` count still says it was asked.
     """
     task = asyncio.current_task()
     if task is not None and task.cancelling():

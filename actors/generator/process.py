@@ -236,6 +236,7 @@ class Generator:
         subject = self.cfg.run.names.heartbeat_subject
         last_tokens, last_t = self.num_tokens, time.monotonic()
         while not self._done.is_set():
+            raise_if_cancel_requested()  # a cancel swallowed by redis-py or wait_for must still end this loop
             now = time.monotonic()
             rate = (self.num_tokens - last_tokens) / max(now - last_t, 1e-6)
             last_tokens, last_t = self.num_tokens, now

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 from actors.generator.config import WeightSyncConfig
 from actors.generator.engine import Engine
 from async_rl.control import ControlPlane, Message, WeightsAnnounced
+from async_rl.lifecycle import raise_if_cancel_requested
 from async_rl.names import Names
 from async_rl.transport import TransportError
 from async_rl.weights import CorruptVersion, FetchedVersion, VersionUnavailable, WeightReader
@@ -254,6 +255,7 @@ class WeightSync:
     async def _poll_loop(self) -> None:
         backoff_s = self.cfg.poll_interval_s
         while not await self._wait(self._stop, backoff_s):
+            raise_if_cancel_requested()  # a cancel swallowed by redis-py or wait_for must still end this loop
             if await self._refresh_or_give_up():
                 backoff_s = self.cfg.poll_interval_s
             else:

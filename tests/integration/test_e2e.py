@@ -44,21 +44,23 @@ def _seen_groups(run_dir: Path) -> tuple[int, set[str]]:
 
 
 def test_reward_improves(procs: Procs) -> None:
-    """Threshold: the mean reward of the last 5 of 40 steps beats the first 5 by 0.1 (random init starts near 0.05).
+    """Threshold: the mean reward of the last 5 of 60 steps beats the first 5 by 0.1 (random init starts near 0.04).
 
-    32 groups x 8 samples per step at lr 2e-3: an in-process on-policy run reaches ~0.3 by step 40 with this
-    recipe, so +0.1 leaves room for staleness and noise while still failing when nothing is learned."""
-    procs.learner("max_steps=40", "batch_groups=32")
+    32 groups x 8 samples per step. The reward is strict positional credit (1.0 only for the exact answer): the
+    quickstart's recipe went 0.04 -> 0.24 in 60 steps here (tests/integration/test_recipe.py), so +0.1 leaves room
+    for staleness and noise while still failing when nothing is learned."""
+    STEPS = 60  # noqa: N806
+    procs.learner(f"max_steps={STEPS}", "batch_groups=32")
     procs.generator("gen-0")
     procs.generator("gen-1")
-    procs.wait_for("40 learner steps", lambda: procs.procs["learner"].poll() is not None, timeout_s=480)
+    procs.wait_for(f"{STEPS} learner steps", lambda: procs.procs["learner"].poll() is not None, timeout_s=600)
     assert procs.procs["learner"].returncode == 0, procs.tails()
     rewards = [r["reward"] for r in procs.metrics()]
-    assert len(rewards) == 40
+    assert len(rewards) == STEPS
     first, last = float(np.mean(rewards[:5])), float(np.mean(rewards[-5:]))
     assert last > first + 0.1, f"reward did not improve: first {first:.3f} last {last:.3f}\n{rewards}"
     versions = [r["published_version"] for r in procs.metrics()]
-    assert versions[-1] == 40  # published every step
+    assert versions[-1] == STEPS  # published every step
 
 
 def test_generator_sigkill_loses_no_prompt(procs: Procs, servers: ServerSet, names: Names, capsys) -> None:
@@ -120,7 +122,7 @@ def test_learner_restart_trains_each_group_once(procs: Procs) -> None:
 def test_generator_joining_mid_run_starts_on_newest_weights(procs: Procs, servers: ServerSet, names: Names) -> None:
     from async_rl.control import ControlPlane, Heartbeat, Message
 
-    procs.learner("max_steps=30")
+    procs.learner("max_steps=300")  # far beyond the test: a finished run would send the late generator home at once
     procs.generator("gen-0")
     procs.wait_for("4 learner steps", lambda: _steps(procs) >= 4, timeout_s=240)
     client = redis.Redis.from_url(servers.redis_url)
