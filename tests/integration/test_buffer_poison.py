@@ -3,14 +3,9 @@ the valid entries around them come through, and no key outside the run is read o
 
 from __future__ import annotations
 
-import uuid
-
 import numpy as np
-import pytest
 import redis
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
 from async_rl.wire import PromptSpec, encode_group
 from buffer.audit import audit_run
 from buffer.dead_letters import DeadLetters
@@ -20,18 +15,6 @@ from buffer.rollouts import RolloutReader, RolloutReaderConfig, RolloutWriter, R
 from tests.integration.poison import fields_of, poison_entries, push, valid_record
 
 FACTS = ModelFacts(vocab_size=22, max_seq_len=64, num_moe_layers=2, top_k=2, num_experts=4)
-
-
-@pytest.fixture
-def other(servers: ServerSet):  # type: ignore[no-untyped-def]
-    """Another run's prefix (the canaries live there), cleaned up like the test's own."""
-    n = Names(prefix=f"t-other-{uuid.uuid4().hex[:8]}")
-    yield n
-    client = redis.Redis.from_url(servers.redis_url)
-    keys = list(client.scan_iter(match=n.all_key_pattern()))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 def _specs(n: int) -> list[PromptSpec]:

@@ -6,10 +6,7 @@ group, one of the poison classes, or a property-based mutation (hypothesis) of a
 from __future__ import annotations
 
 import time
-import uuid
-from pathlib import Path
 
-import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,24 +22,6 @@ from tests.integration.procs import Procs
 FACTS = ModelFacts(vocab_size=22, max_seq_len=256, num_moe_layers=2, top_k=2, num_experts=4)
 NUM_SAMPLES = 2
 NUM_MUTATIONS = 40
-
-
-@pytest.fixture
-def procs(servers: ServerSet, names: Names, tmp_path: Path):  # type: ignore[no-untyped-def]
-    p = Procs(servers, names, tmp_path / "run")
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def other(servers: ServerSet):  # type: ignore[no-untyped-def]
-    n = Names(prefix=f"t-other-{uuid.uuid4().hex[:8]}")
-    yield n
-    client = redis.Redis.from_url(servers.redis_url)
-    keys = list(client.scan_iter(match=n.all_key_pattern()))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 def test_poison_pills_at_a_live_learner(procs: Procs, servers: ServerSet, names: Names, other: Names) -> None:
