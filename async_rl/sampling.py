@@ -27,6 +27,9 @@ class Sampling:
     """Nucleus mass (1.0: off). With top_p/top_k on, behaviour logprobs are of the truncated distribution."""
     top_k: int = 0
     """Top-k truncation (0: off)."""
+    mask_special_tokens: bool = True
+    """Never sample special tokens other than end-of-sequence, nor embedding rows past the tokenizer's vocabulary
+    (:mod:`async_rl.token_mask`); the learner masks the same logits, so logprobs stay comparable."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -51,9 +54,14 @@ class Sampling:
         unknown = sorted(set(raw) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"sampling has unknown key(s) {unknown}")
-        kinds = {"n": int, "max_new_tokens": int, "top_k": int, "temperature": float, "top_p": float}
+        kinds = {"n": int, "max_new_tokens": int, "top_k": int, "temperature": float, "top_p": float,
+                 "mask_special_tokens": bool}  # fmt: skip
         for key, value in raw.items():
-            ok = isinstance(value, int | float) if kinds[key] is float else isinstance(value, int)
-            if not ok or isinstance(value, bool):
+            if kinds[key] is bool:
+                ok = isinstance(value, bool)
+            else:
+                ok = isinstance(value, int | float) if kinds[key] is float else isinstance(value, int)
+                ok = ok and not isinstance(value, bool)
+            if not ok:
                 raise ValueError(f"sampling.{key} must be a {kinds[key].__name__}, got {value!r}")
         return cls(**raw)

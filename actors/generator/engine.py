@@ -36,6 +36,8 @@ class SamplingParams:
     """Tokens that end a sample (kept in the response, finish_reason 'stop')."""
     seed: int | None = None
     """Seed for reproducible sampling (None: engine's own stream)."""
+    mask_special_tokens: bool = True
+    """Never sample the engine model's masked token ids (:func:`async_rl.token_mask.masked_token_ids`)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:

@@ -286,7 +286,7 @@ class Generator:
             by_params[self._sampling(e)].append(e)
         for sp, group in by_params.items():
             params = SamplingParams(n=sp.n, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
-                                    top_p=sp.top_p, top_k=sp.top_k)  # fmt: skip
+                                    top_p=sp.top_p, top_k=sp.top_k, mask_special_tokens=sp.mask_special_tokens)  # fmt: skip
             t0 = time.time()
             gen = asyncio.ensure_future(self._generate(group, params))
             abort = asyncio.ensure_future(self._abort_event.wait())

@@ -5,17 +5,20 @@ from __future__ import annotations
 import torch
 
 from actors.generator.engine import SamplingParams
+from async_rl.token_mask import mask_logits
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    masked_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Sample one token per row of ``logits`` ``[B, V]``; return ``(tokens [B] int64, logprobs [B] float32)``.
 
-    Order: temperature, top-k, top-p (as vLLM). The logprob is under the distribution actually
-    sampled from (tempered, truncated, renormalised); for greedy it is the untempered model logprob.
+    Order: the token mask (``masked_ids``, never sampled), temperature, top-k, top-p (as vLLM). The
+    logprob is under the distribution actually sampled from (masked, tempered, truncated,
+    renormalised); for greedy it is the untempered model logprob.
     """
-    logits = logits.float()
+    logits = mask_logits(logits.float(), masked_ids)
     if params.temperature == 0:
         tokens = logits.argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)

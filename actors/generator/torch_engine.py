@@ -46,6 +46,7 @@ from actors.generator.sampling import sample_tokens
 from async_rl.hf_moe import RouteRecorder, find_moe_layers
 from async_rl.models import load_model
 from async_rl.moe import route_dtype
+from async_rl.token_mask import masked_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class TorchEngine(Engine):
     _loader: threading.Thread | None
     _rng: torch.Generator
     _stop_ids: tuple[int, ...]
+    _masked_ids: torch.Tensor
+    """Token ids never sampled when ``params.mask_special_tokens`` (:func:`async_rl.token_mask.masked_token_ids`)."""
     _num_experts: int
 
     def __init__(self, config: TorchEngineConfig, model: PreTrainedModel | None = None) -> None:
@@ -125,6 +128,7 @@ class TorchEngine(Engine):
         eos = self._active.config.eos_token_id if config.stop_on_eos else None
         self._stop_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         self._pad_id = int(self._active.config.pad_token_id or 0)
+        self._masked_ids = torch.tensor(masked_token_ids(cfg.name), dtype=torch.long, device=self.device)
         self._max_positions = int(getattr(self._active.config, "max_position_embeddings", 1 << 30))
         self._vocab_size = int(self._active.config.vocab_size)
         self.last_swap_pause_s = 0.0
@@ -442,6 +446,7 @@ class TorchEngine(Engine):
         ids, mask = ids.to(dev), mask.to(dev)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         stop = torch.tensor(sorted({*params.stop_token_ids, *self._stop_ids}), dtype=torch.long, device=dev)
+        masked = self._masked_ids if params.mask_special_tokens else None
 
         out_tokens = torch.full((num_rows, max_new), self._pad_id, dtype=torch.long, device=dev)
         out_logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=dev)
@@ -467,7 +472,7 @@ class TorchEngine(Engine):
         alive = torch.ones(num_rows, dtype=torch.bool, device=dev)
         last_pos = positions[:, -1]
         for step in range(max_new):
-            tokens, logprobs = sample_tokens(logits, params, rng)
+            tokens, logprobs = sample_tokens(logits, params, rng, masked)
             rows_alive = live[alive]
             out_tokens[rows_alive, step] = tokens[alive]
             out_logprobs[rows_alive, step] = logprobs[alive]
@@ -557,7 +562,8 @@ class _Request:
 
 def _merge_key(params: SamplingParams) -> tuple:
     """Calls with equal keys share a batch (n and max_new_tokens may differ: both are per row)."""
-    return (params.temperature, params.top_p, params.top_k, tuple(sorted(params.stop_token_ids)))
+    return (params.temperature, params.top_p, params.top_k, tuple(sorted(params.stop_token_ids)),
+            params.mask_special_tokens)  # fmt: skip
 
 
 def _deliver(req: _Request, result: object) -> None:

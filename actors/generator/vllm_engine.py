@@ -52,6 +52,7 @@ from actors.generator.model_facts import ModelFacts, read_model_facts
 from actors.generator.vllm_args import build_vllm_args
 from actors.generator.weight_handover import pack_weights
 from async_rl.models import is_preset, load_model_config, save_pretrained_dir
+from async_rl.token_mask import MASKED_LOGIT, masked_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class VLLMEngine(Engine):
     _uid: str
     _closed: bool
     _meta_model: Any
+    _logit_bias: dict[int, float]
+    """The sampling mask as vLLM logit biases (:mod:`async_rl.token_mask`), applied when the prompt asks for it."""
     """The HF model on the meta device (built on first use): maps in-memory names to checkpoint names."""
 
     def __init__(self, config: VLLMEngineConfig) -> None:
@@ -126,6 +129,7 @@ class VLLMEngine(Engine):
         self.last_stage_error = None
         try:
             self.facts = read_model_facts(self._model_dir(config))
+            self._logit_bias = {i: MASKED_LOGIT for i in masked_token_ids(config.model.name)}
             self._start()
         except BaseException:
             self._remove_tmp()
@@ -319,6 +323,8 @@ class VLLMEngine(Engine):
             seed=seed,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=not self.config.stop_on_eos,
+            # Applied before sampling: the processed logprobs are of the masked distribution, as the learner's.
+            logit_bias=self._logit_bias if params.mask_special_tokens and self._logit_bias else None,
             logprobs=0,
             flat_logprobs=True,
             detokenize=False,

@@ -78,6 +78,9 @@ class TorchBackendConfig:
     """Torch RNG seed set when the backend is built."""
     temperature: float = 1.0
     """Sampling temperature of the generators: logits are divided by it so logprobs match the behaviour ones."""
+    masked_token_ids: tuple[int, ...] = ()
+    """Token ids whose logits are masked before the softmax, as the generators mask them (set from
+    ``sampling.mask_special_tokens`` and :func:`async_rl.token_mask.masked_token_ids` of the model)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (routes are replayed in the recompute too)."""
     export_format: str = "state_dict"

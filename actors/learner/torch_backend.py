@@ -26,6 +26,7 @@ from actors.learner.lr_schedule import lr_factor
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 from async_rl.hf_moe import find_moe_layers, pack_routes, replay_routes
+from async_rl.token_mask import mask_logits
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Accepted ``dtype`` names."""
@@ -84,6 +85,8 @@ class TorchBackend(TrainingBackend):
     """Optimizer steps taken (skipped non-finite steps excluded): the lr schedule's clock, saved with the model."""
     _num_moe_layers: int
     _top_k: int
+    _masked_ids: torch.Tensor
+    """``config.masked_token_ids`` on the device (the generators' sampling mask)."""
 
     def __init__(
         self, model: nn.Module, config: TorchBackendConfig, *, reference_model: nn.Module | bool | None = None
@@ -114,6 +117,7 @@ class TorchBackend(TrainingBackend):
             params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
         )
         self.optimizer_steps = 0
+        self._masked_ids = torch.tensor(config.masked_token_ids, dtype=torch.long, device=self.device)
 
     def lr_at(self, step: int) -> float:
         """The lr of optimizer step ``step`` (1-based) under ``config.lr_schedule``."""
@@ -144,6 +148,8 @@ class TorchBackend(TrainingBackend):
     def _forward(self, model: nn.Module, mb: MicroBatch, with_entropy: bool) -> ForwardOutput:
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask.long(), use_cache=False)
         logits = out.logits
+        if self.config.masked_token_ids:
+            logits = mask_logits(logits.float(), self._masked_ids)
         if self.config.temperature != 1.0:
             logits = logits / self.config.temperature
         logprobs, entropy = token_logprobs(logits, mb.input_ids, mb.attention_mask, with_entropy=with_entropy)

@@ -24,6 +24,7 @@ from actors.learner.torch_backend import TorchBackend
 from async_rl.algorithms.batch import TrainSample
 from async_rl.hf_moe import record_routes
 from async_rl.models import ModelConfig, build_model, small_moe_config
+from async_rl.token_mask import masked_token_ids
 
 NUM_PROMPTS = 8
 SAMPLES_PER_PROMPT = 4
@@ -56,7 +57,8 @@ async def test_replay_brings_learner_logprobs_closer_to_low_precision_behaviour(
     ]  # fmt: skip
     assert all(s.routes is not None and s.routes.shape[0] == s.input_ids.size - 1 for s in samples)
 
-    backend = TorchBackend(learner_model, TorchBackendConfig(device="cpu", dtype="float32"))
+    backend = TorchBackend(learner_model, TorchBackendConfig(device="cpu", dtype="float32",
+                                                             masked_token_ids=masked_token_ids("small-moe")))  # fmt: skip
     mb = collate(samples, step_num_tokens=1, step_num_sequences=1)
     with_replay = backend.forward_logprobs(mb, replay_routes=True).logprobs
     without = backend.forward_logprobs(mb, replay_routes=False).logprobs
@@ -92,3 +94,31 @@ async def test_replay_brings_learner_logprobs_closer_to_low_precision_behaviour(
     )
     assert abs_r < 0.8 * abs_p
     assert sq_r < 0.5 * sq_p
+
+
+async def test_learner_masks_the_tokens_the_generator_masks() -> None:
+    # On-policy in fp32, the learner's logprobs equal the behaviour ones only when it applies the generator's mask.
+    model = build_model("tiny-moe", seed=3)
+    engine = TorchEngine(TorchEngineConfig(stop_on_eos=False, seed=2), model=copy.deepcopy(model))
+    prompts = [np.array([1, *range(4, 10)], np.int32) for _ in range(4)]
+    try:
+        completions = await engine.generate(prompts, SamplingParams(n=4, max_new_tokens=16, temperature=1.0))
+    finally:
+        await engine.close()
+    samples = [
+        TrainSample(input_ids=np.concatenate([p, c.token_ids]).astype(np.int32), prompt_len=p.size,
+                    behaviour_logprobs=c.logprobs, versions=c.versions,
+                    advantages=np.zeros(c.token_ids.size, np.float32), routes=c.routes, group_id=f"p{i}")
+        for i, (p, cs) in enumerate(zip(prompts, completions, strict=True)) for c in cs
+    ]  # fmt: skip
+    mb = collate(samples, step_num_tokens=1, step_num_sequences=1)
+    behaviour = torch.zeros_like(mb.loss_mask, dtype=torch.float32)
+    for b, s in enumerate(samples):
+        behaviour[b, s.prompt_len : s.input_ids.size] = torch.from_numpy(s.behaviour_logprobs)
+    gaps = {}
+    for name, ids in (("masked", masked_token_ids("tiny-moe")), ("unmasked", ())):
+        backend = TorchBackend(copy.deepcopy(model), TorchBackendConfig(device="cpu", masked_token_ids=ids))
+        lp = backend.forward_logprobs(mb, replay_routes=True).logprobs
+        gaps[name] = float((lp - behaviour)[mb.loss_mask].abs().max())
+    assert gaps["masked"] < 1e-4, gaps
+    assert gaps["unmasked"] > 1e-3, gaps  # the masked mass (pad, bos, unk of a random policy) is not negligible

@@ -21,6 +21,7 @@ from actors.generator.sampling import sample_tokens
 from actors.generator.torch_engine import TorchEngine
 from async_rl import tokenizer as tt
 from async_rl.models import build_model, save_pretrained_dir, tiny_moe_config
+from async_rl.token_mask import mask_logits, masked_token_ids
 
 LOGPROB_ATOL = 1e-4
 """float32: observed differences are ~1e-6; 1e-4 leaves room for other CPUs' kernels."""
@@ -50,6 +51,8 @@ def reference_logprobs(model, prompt: np.ndarray, response: np.ndarray, params: 
     full = torch.from_numpy(np.concatenate([prompt, response]).astype(np.int64))[None].to(model.device)
     with torch.inference_mode():
         logits = model(full).logits[0, prompt.size - 1 : prompt.size - 1 + response.size].double().cpu()
+    if params.mask_special_tokens:
+        logits = logits.index_fill(-1, torch.tensor(masked_token_ids("tiny-moe")), float("-inf"))
     if params.temperature == 0:
         lp = torch.log_softmax(logits, -1)
     else:
@@ -113,7 +116,7 @@ async def test_greedy_is_deterministic_and_matches_hf_generate():
         c = group[0]
         hf = engine.model.generate(
             torch.from_numpy(prompt.astype(np.int64))[None], do_sample=False, max_new_tokens=10,
-            eos_token_id=tt.EOS_ID, pad_token_id=tt.PAD_ID,
+            eos_token_id=tt.EOS_ID, pad_token_id=tt.PAD_ID, suppress_tokens=list(masked_token_ids("tiny-moe")),
         )[0, prompt.size :].numpy()  # fmt: skip
         assert np.array_equal(hf[: c.token_ids.size], c.token_ids)
         np.testing.assert_allclose(
@@ -219,7 +222,8 @@ async def test_versions_and_outputs_across_a_midsequence_swap():
                         torch.tensor([[int(c.token_ids[j])]]), past_key_values=cache, use_cache=True,
                         output_router_logits=True,
                     )  # fmt: skip
-                    lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+                    masked = torch.tensor(masked_token_ids("tiny-moe"))
+                    lp = torch.log_softmax(mask_logits(out.logits[0, -1].float(), masked), -1)
                     assert int(lp.argmax()) == int(c.token_ids[j + 1]), f"token {j + 1} after the swap"
                     assert abs(float(lp.max()) - float(c.logprobs[j + 1])) < LOGPROB_ATOL
                     probs = torch.stack([torch.softmax(r.float(), -1) for r in out.router_logits], dim=1)
@@ -306,6 +310,55 @@ def test_sample_tokens_truncation():
     assert set(tokens.tolist()) == {0} and float(lps.abs().max()) < 1e-6  # one token holds > 0.5 of the mass
     tokens, lps = sample_tokens(logits[:1], SamplingParams(temperature=0.0), gen)
     assert int(tokens[0]) == 0 and float(lps[0]) == pytest.approx(float(torch.log_softmax(logits[0], -1)[0]))
+
+
+def test_sample_tokens_never_samples_masked_ids():
+    # The masked ids hold almost all the mass, as a pad token can in a young policy.
+    logits = torch.tensor([[9.0, 0.0, 9.0, 1.0, 9.0]] * 4000)
+    masked = torch.tensor([0, 2, 4])
+    gen = torch.Generator().manual_seed(0)
+    tokens, lps = sample_tokens(logits, SamplingParams(temperature=1.0), gen, masked)
+    assert set(tokens.tolist()) == {1, 3}
+    want = torch.log_softmax(torch.tensor([0.0, 1.0]), -1)
+    np.testing.assert_allclose(lps[tokens == 3].numpy(), float(want[1]), atol=1e-6)
+    tokens, _ = sample_tokens(logits, SamplingParams(temperature=0.0), gen, masked)
+    assert set(tokens.tolist()) == {3}
+    tokens, _ = sample_tokens(logits, SamplingParams(temperature=1.0), gen, None)
+    assert {0, 2, 4} <= set(tokens.tolist())
+
+
+async def test_engine_masks_special_tokens_unless_asked_not_to():
+    model = build_model("tiny-moe", seed=0)
+    with torch.no_grad():  # the pad and bos rows of the output layer dominate every position
+        model.lm_head.weight[tt.PAD_ID].fill_(0.0)
+        model.lm_head.weight[tt.BOS_ID].fill_(0.0)
+        model.lm_head.bias = None
+        model.lm_head.weight.mul_(0.01)
+        model.lm_head.weight[tt.PAD_ID, :] = 5.0
+        model.lm_head.weight[tt.BOS_ID, :] = 5.0
+    engine = make_engine(model)
+    prompts = prompt_ids()
+    masked = set(masked_token_ids("tiny-moe"))
+    assert masked == {tt.PAD_ID, tt.BOS_ID, tt.UNK_ID}
+    params = SamplingParams(n=4, max_new_tokens=8, seed=0)
+    for prompt, group in zip(prompts, await engine.generate(prompts, params), strict=True):
+        for c in group:
+            assert not masked & set(c.token_ids.tolist())
+            ref = reference_logprobs(engine.model, prompt, c.token_ids, params)
+            assert float(np.abs(ref - c.logprobs).max()) < LOGPROB_ATOL
+    off = SamplingParams(n=4, max_new_tokens=8, seed=0, mask_special_tokens=False)
+    sampled = {t for g in await engine.generate(prompts, off) for c in g for t in c.token_ids.tolist()}
+    assert {tt.PAD_ID, tt.BOS_ID} & sampled
+
+
+def test_masked_token_ids_of_a_model_directory(tmp_path):
+    # A directory whose embedding has rows past the tokenizer's vocabulary, as Qwen's do: they are masked too,
+    # and every eos id (config and generation config) stays sampleable.
+    cfg = tiny_moe_config(vocab_size=tt.VOCAB_SIZE + 6)
+    path = save_pretrained_dir(tmp_path / "m", build_model(cfg, seed=0))
+    ids = masked_token_ids(path)
+    assert ids == (tt.PAD_ID, tt.BOS_ID, tt.UNK_ID, *range(tt.VOCAB_SIZE, tt.VOCAB_SIZE + 6))
+    assert tt.EOS_ID not in ids
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from async_rl import wire
+from async_rl.sampling import Sampling
 from async_rl.wire import PromptSpec, WireError, compact_routes, decode_group, encode_group, encode_group_into
 from async_rl.wire_types import FINISH_REASONS, SCHEMA_VERSION, GroupRecord, Sample
 
@@ -249,6 +250,15 @@ def test_prompt_spec_roundtrip_and_errors():
     bad["v"] = 5
     with pytest.raises(WireError, match="unknown prompt schema version 5"):
         wire.decode_prompt(msgspec.msgpack.encode(bad))
+
+
+def test_sampling_on_the_wire_carries_the_token_mask_switch():
+    off = Sampling(n=4, mask_special_tokens=False)
+    assert Sampling.from_wire(off.to_wire()) == off and Sampling().mask_special_tokens
+    with pytest.raises(ValueError, match="sampling.mask_special_tokens must be a bool, got 1"):
+        Sampling.from_wire({"mask_special_tokens": 1})
+    with pytest.raises(ValueError, match="sampling.n must be a int, got True"):
+        Sampling.from_wire({"n": True})
 
 
 # ---- property tests ------------------------------------------------------------------------

@@ -30,6 +30,10 @@ from actors.generator.torch_engine import TorchEngine
 from actors.generator.vllm_engine import VLLMEngine
 from async_rl.hf_moe import find_moe_layers, record_routes
 from async_rl.models import ModelConfig, build_model, load_model, save_pretrained_dir, small_moe_config, tiny_moe_config
+from async_rl.token_mask import mask_logits, masked_token_ids
+
+MASKED = torch.tensor(masked_token_ids("tiny-moe"))
+"""The toy tokenizer's pad, bos and unk: masked by both engines by default (async_rl/token_mask.py)."""
 
 pytestmark = pytest.mark.vllm
 shared_loop = pytest.mark.asyncio(loop_scope="module")
@@ -84,6 +88,8 @@ def _reference_logprobs(model, prompt: np.ndarray, comp: Completion, params: Sam
     ids = torch.from_numpy(np.concatenate([prompt, comp.token_ids]).astype(np.int64))[None]
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, prompt.size - 1 : -1].float()
+    if params.mask_special_tokens:  # the engine never samples these (vLLM logit biases): same distribution
+        logits = mask_logits(logits, MASKED)
     if params.temperature > 0:
         logits = logits / params.temperature
         if params.top_k:
@@ -250,7 +256,7 @@ async def test_versions_across_a_swap_mid_sequence(
         cache = DynamicCache(config=model_a.config)
         head = model_a(input_ids=full[:, :cut], past_key_values=cache, use_cache=True).logits[0, prompt.size - 1 :]
         tail = model_b(input_ids=full[:, cut:-1], past_key_values=cache, use_cache=True).logits[0]
-    logits = torch.cat([head, tail]).float()
+    logits = mask_logits(torch.cat([head, tail]).float(), MASKED)
     assert logits.shape[0] == comp.token_ids.size
     assert logits.argmax(-1).tolist() == comp.token_ids.tolist()
     ref = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(comp.token_ids.astype(np.int64))[:, None])

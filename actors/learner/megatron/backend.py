@@ -64,6 +64,7 @@ from actors.learner.megatron.spec import decoder_block_spec
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 from async_rl.moe import route_dtype
+from async_rl.token_mask import mask_logits
 
 
 def _te_available() -> bool:
@@ -111,6 +112,8 @@ class MegatronBackend(TrainingBackend):
     """Frozen initial parameters of this rank (the KL reference policy), or None."""
     pad_token_id: int | None
     """The HF config's pad token: its word-embedding row gets no gradient (HF's padding_idx semantics)."""
+    _masked_ids: torch.Tensor
+    """``cfg.masked_token_ids`` on the device (the generators' sampling mask, applied to vocab-parallel logits)."""
 
     def __init__(self, cfg: MegatronConfig, hf_config: object, hf_state_dict: Mapping[str, torch.Tensor] | None = None,
                  *, reference_model: bool = False) -> None:  # fmt: skip
@@ -123,6 +126,7 @@ class MegatronBackend(TrainingBackend):
         init_distributed(cfg)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+        self._masked_ids = torch.tensor(cfg.masked_token_ids, dtype=torch.long, device=self.device)
         if cfg.spec == "te" and not _te_available():
             raise ValueError("learner.megatron.spec='te' but transformer_engine is not installed")
         self.te_spec = cfg.spec == "te" or (cfg.spec == "auto" and _te_available())
@@ -391,6 +395,9 @@ class MegatronBackend(TrainingBackend):
     def _forward_output(self, logits: torch.Tensor, item: _Item, with_entropy: bool) -> ForwardOutput:
         from megatron.core import parallel_state as ps
 
+        if self.cfg.masked_token_ids:  # this rank's vocab-parallel columns start at tp_rank * V / tp
+            start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+            logits = mask_logits(logits.float(), self._masked_ids, start)
         if self.cfg.temperature != 1.0:
             logits = logits.float() / self.cfg.temperature
         lp, ent = token_stats(logits, item.labels, with_entropy, ps.get_tensor_model_parallel_group(),
