@@ -87,6 +87,15 @@ class BackpressureTimeout(TimeoutError):
     """The rollout backlog stayed above ``max_backlog`` for ``backpressure_timeout_s``."""
 
 
+class BacklogBelowLearnerHold(ValueError):
+    """``max_backlog`` is below what the learner holds unacked between checkpoints: waiting could never end."""
+
+
+LEARNER_HOLD_FIELD = "unacked_groups_max"
+"""Field of ``Names.learner_state``: the most groups the learner keeps read but unacked (``checkpoint.every``
+x ``batch_groups``: entries are acked when the checkpoint covering them is written, and count in the backlog)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutWriterConfig:
     """Generator side of the rollout stream."""
@@ -211,6 +220,14 @@ class RolloutWriter:
         backlog = await self.backlog()
         if backlog < self.cfg.max_backlog:
             return
+        held = await self.redis.hget(self.names.learner_state, LEARNER_HOLD_FIELD)
+        if held is not None and int(held) > self.cfg.max_backlog:
+            raise BacklogBelowLearnerHold(
+                f"rollouts.max_backlog={self.cfg.max_backlog} is below the {int(held)} groups the learner holds "
+                f"unacked between checkpoints (learner checkpoint.every x batch_groups): the learner would wait "
+                f"for groups this generator may not append. Raise rollouts.max_backlog above {int(held)} or lower "
+                f"the learner's checkpoint.every"
+            )
         started = time.monotonic()
         deadline = started + self.cfg.backpressure_timeout_s
         log.warning(

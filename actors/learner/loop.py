@@ -55,7 +55,7 @@ from async_rl.wire_types import GroupRecord
 from buffer.dead_letters import error_line
 from buffer.entry_checks import EntryChecker, ModelFacts
 from buffer.prompts import PromptQueue
-from buffer.rollouts import RolloutEntry, RolloutReader
+from buffer.rollouts import LEARNER_HOLD_FIELD, RolloutEntry, RolloutReader
 from buffer.staleness import StalenessPolicy
 
 log = logging.getLogger(__name__)
@@ -194,6 +194,7 @@ class Learner:
         await self._redis.hset(names.learner_state, mapping={
             "version": self.state.version, "step": self.state.step, "started_at": time.time(),
             "backend": cfg.backend, "model": cfg.model.name,
+            LEARNER_HOLD_FIELD: cfg.checkpoint.every * cfg.batch_groups,
         })  # fmt: skip
         latest = await self._publisher.latest_version()
         if latest is not None and latest > self.state.version:

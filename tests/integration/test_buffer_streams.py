@@ -15,6 +15,8 @@ from async_rl.wire import PromptSpec, decode_group, encode_group
 from buffer.dead_letters import DeadLetters
 from buffer.prompts import PromptQueue, PromptQueueConfig
 from buffer.rollouts import (
+    LEARNER_HOLD_FIELD,
+    BacklogBelowLearnerHold,
     BackpressureTimeout,
     RolloutReader,
     RolloutReaderConfig,
@@ -214,6 +216,19 @@ async def test_rollout_backpressure_times_out(redis_client, names):
     with pytest.raises(BackpressureTimeout, match="max_backlog 1"):
         await w.append(_group(1))
     assert await redis_client.xlen(names.rollouts_stream) == 1
+
+
+async def test_a_backlog_below_the_learners_hold_is_refused_at_once(redis_client, names):
+    # The learner acks at checkpoints: 3 x 4 groups stay in the stream, read but unacked. A bound of 2 would make the
+    # generator wait for acks the learner can only give after groups the generator may not append.
+    await redis_client.hset(names.learner_state, mapping={LEARNER_HOLD_FIELD: 12})
+    w = RolloutWriter(redis_client, names, RolloutWriterConfig(max_backlog=2, backpressure_timeout_s=60))
+    await w.append(_group(0))
+    await w.append(_group(1))
+    t0 = time.monotonic()
+    with pytest.raises(BacklogBelowLearnerHold, match="rollouts.max_backlog=2 is below the 12 groups"):
+        await w.append(_group(2))
+    assert time.monotonic() - t0 < 5.0 and await redis_client.xlen(names.rollouts_stream) == 2
 
 
 async def test_decoded_record_is_zero_copy(redis_client, names):
