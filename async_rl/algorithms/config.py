@@ -161,7 +161,7 @@ class CorrectionConfig:
     """Off-policy corrections on ρ_t = π_old/μ, all off by default (``algorithm.correction``).
 
     SkyRL's order, each step on the mask the previous ones left: outlier sequence mask (on the loss mask),
-    token mask, TIS, sequence mask; a token or row already dropped never enters a later statistic.
+    token mask, (this project's) M2 mask, TIS, sequence mask; a token or row already dropped never enters a later statistic.
     Per-token ratios are exp(log ρ) with log ρ clamped to ±20, compared with the bounds as ratios.
     """
 
@@ -182,6 +182,13 @@ class CorrectionConfig:
     """Lower bound of the token mask's ratio band (inclusive)."""
     token_mask_high: float | None = 2.0
     """Upper bound of the token mask's ratio band (inclusive)."""
+    m2_mask: bool = False
+    """Second-moment trust region in the spirit of M2PO (Zheng et al. 2025, "Prosperity before Collapse"): drop the
+    tokens with the largest (log ρ_t)² (among those the masks before it kept), fewest first, until the mean of
+    (log ρ_t)² over the tokens left is <= m2_threshold. Bounds the batch's distance from μ as a whole instead of
+    each token's: a stale batch keeps most of its tokens and loses only its outliers."""
+    m2_threshold: float = 0.04
+    """The M2 mask's bound on mean (log ρ_t)² over the kept tokens (> 0; M2PO's τ = 0.04), per micro-batch."""
     tis: TISMode = "off"
     """Truncated importance sampling on the tokens the masks before it kept: ``token``: weight sg(min(ρ_t,
     token_tis_cap)) (no lower clip); ``sequence``: one weight sg(min(exp(clamp(Σ_t log ρ_t, ±20)),
@@ -213,6 +220,9 @@ class CorrectionConfig:
         _check_band(f"{p}.token_mask", self.token_mask_low, self.token_mask_high)
         _check_band(f"{p}.geometric", self.geometric_low, self.geometric_high)
         _check_band(f"{p}.product", self.product_low, self.product_high)
+        _check_finite(f"{p}.m2_threshold", self.m2_threshold)
+        if self.m2_threshold <= 0.0:
+            raise ValueError(f"{p}.m2_threshold must be > 0, got {self.m2_threshold}")
         for name in ("token_tis_cap", "sequence_tis_cap"):
             value = getattr(self, name)
             _check_finite(f"{p}.{name}", value)
@@ -240,7 +250,8 @@ class CorrectionConfig:
     @property
     def any_enabled(self) -> bool:
         """True when at least one correction is on."""
-        return self.outlier_enabled or self.token_mask_enabled or self.tis != "off" or self.sequence_mask != "off"
+        return (self.outlier_enabled or self.token_mask_enabled or self.m2_mask or self.tis != "off"
+                or self.sequence_mask != "off")  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,6 +7,8 @@ enters a later statistic (a wild log ratio on a dropped token cannot move anythi
    ρ_t < outlier_low (either bound alone enables it, the other side unchecked) -> M1;
 2. token mask ("icepop"), on M1: drop tokens with ρ_t outside [token_mask_low, token_mask_high]
    (inclusive; only with both bounds set) -> M2;
+2b. (this project's) M2 mask, on M2: drop the tokens with the largest (log ρ_t)², fewest first, until
+   mean (log ρ_t)² over the tokens left is <= m2_threshold (M2PO's second-moment trust region) -> M2;
 3. TIS on M2: token weight min(ρ_t, C) (no lower clip), or one row weight min(exp(clamp(Σ_M2 log ρ)), C);
 4. sequence mask on M2: drop a row whose exp(clamp(Σ_M2 log ρ / |M2_row|)) (geometric) or
    exp(clamp(Σ_M2 log ρ)) (product) is outside its band -> M3, the tokens kept.
@@ -52,6 +54,24 @@ def _frac(part: torch.Tensor, whole: torch.Tensor | float) -> torch.Tensor:
     return part.sum().to(torch.float64) / whole_t.to(torch.float64).clamp(min=1)
 
 
+def second_moment_keep(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The largest subset of ``mask`` whose mean (log ρ)² is <= ``threshold``, made by dropping the largest (log ρ)²
+    first (M2PO's masking; ties broken by position). Sorted ascending, the running mean of (log ρ)² never falls,
+    so the kept tokens are the longest prefix whose running mean is within the bound."""
+    flat_mask = mask.reshape(-1)
+    sq = torch.where(flat_mask, log_ratio.reshape(-1).square(), torch.full_like(log_ratio.reshape(-1), torch.inf))
+    order = torch.argsort(sq, stable=True)  # masked-out entries (inf) last
+    n = int(flat_mask.sum())
+    if n == 0:
+        return mask.clone()
+    sorted_sq = sq[order][:n]
+    running_mean = torch.cumsum(sorted_sq.to(torch.float64), 0) / torch.arange(1, n + 1, device=sq.device)
+    num_keep = int((running_mean <= threshold).sum())
+    keep = torch.zeros_like(flat_mask)
+    keep[order[:num_keep]] = True
+    return keep.reshape(mask.shape)
+
+
 def apply_corrections(log_ratio: torch.Tensor, loss_mask: torch.Tensor, cfg: CorrectionConfig) -> CorrectionResult:
     """Masks and TIS weights from ``log_ratio = log π_old - log μ`` (``[B, T]``) on the bool ``loss_mask``."""
     if log_ratio.shape != loss_mask.shape:
@@ -87,6 +107,17 @@ def apply_corrections(log_ratio: torch.Tensor, loss_mask: torch.Tensor, cfg: Cor
         metrics["token_mask_under_low_ratio"] = _frac(under, seen.sum())
         metrics["token_mask_tokens_count"] = seen.sum().to(torch.float64)
         metrics["token_masked_frac"] = _frac(over | under, m0.sum())
+
+    if cfg.m2_mask:
+        seen = keep.clone()
+        m2_keep = second_moment_keep(lr, seen, cfg.m2_threshold)
+        sq = lr.square()
+        metrics["m2_mask_ratio"] = _frac(seen & ~m2_keep, seen.sum())
+        metrics["m2_mask_tokens_count"] = seen.sum().to(torch.float64)
+        metrics["m2_before"] = _frac(torch.where(seen, sq, zero), seen.sum())
+        metrics["m2_after"] = _frac(torch.where(m2_keep, sq, zero), m2_keep.sum())
+        metrics["m2_masked_frac"] = _frac(seen & ~m2_keep, m0.sum())
+        keep = m2_keep
 
     m2 = keep.clone()  # what TIS and the sequence mask look at
     row_log_sum = torch.where(m2, lr, zero).sum(dim=-1)  # unclamped; clamped only inside _exp

@@ -33,6 +33,9 @@ METRIC_WEIGHTS: dict[str, str] = {
     "token_mask_ratio": "token_mask_tokens_count",
     "token_mask_over_high_ratio": "token_mask_tokens_count",
     "token_mask_under_low_ratio": "token_mask_tokens_count",
+    "m2_mask_ratio": "m2_mask_tokens_count",
+    "m2_before": "m2_mask_tokens_count",
+    "m2_after": "m2_mask_tokens_count",
     "tis_token_clip_high_ratio": "tis_tokens_count",
     "tis_weight_mean": "tis_tokens_count",
 }  # fmt: skip
