@@ -10,8 +10,28 @@ from actors.commands.bench import staleness
 
 def test_tiny_grid_json_shape_and_exact_lag(tmp_path: Path) -> None:
     out, png = tmp_path / "st.json", tmp_path / "st.png"
-    argv = ["--json", str(out), "--plot", str(png), "--tasks", "copy", "--methods", "none,default", "--staleness",
-            "0,2", "--seeds", "1", "--steps", "5", "--workers", "1", "--mixed", "default", "--mixed-staleness", "2"]
+    argv = [
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+        "--tasks",
+        "copy",
+        "--methods",
+        "none,default",
+        "--staleness",
+        "0,2",
+        "--seeds",
+        "1",
+        "--steps",
+        "5",
+        "--workers",
+        "1",
+        "--mixed",
+        "default",
+        "--mixed-staleness",
+        "2",
+    ]
     assert staleness.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["grid"] == [0, 2] and data["seeds"] == 1 and data["steps"] == 5 and data["metric"] == "reward/exact"

@@ -123,11 +123,13 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     reached = next((i + 1 for i in range(WINDOW - 1, len(metric)) if sum(metric[i - WINDOW + 1 : i + 1]) / WINDOW
                     >= TARGET), None)  # fmt: skip
     settled = [r for r in rows if r["version"] >= job["S"]]  # past the first S steps, where v - S < 0
-    stats = {k: _mean([r[k] for r in rows if k in r]) for k in
-             ("abs_log_ratio_mean", "abs_log_ratio_p99", "log_ratio_sq_mean", "kept_frac", "clip_ratio", "step_s")}
+    stats = {
+        k: _mean([r[k] for r in rows if k in r])
+        for k in ("abs_log_ratio_mean", "abs_log_ratio_p99", "log_ratio_sq_mean", "kept_frac", "clip_ratio", "step_s")
+    }
     return {**{k: job[k] for k in ("task", "method", "S", "seed", "mixed")},
             "final_reward": _mean(metric[-tail:]), "final_shaped_reward": _mean([r["reward"] for r in rows[-tail:]]),
-            "steps_to_0_9": reached, "abs_log_ratio_max": max((r.get("abs_log_ratio_max", 0.0) for r in rows)),
+            "steps_to_0_9": reached, "abs_log_ratio_max": max(r.get("abs_log_ratio_max", 0.0) for r in rows),
             **stats, "lag_exact": all(r["lag"] == job["S"] and r["behaviour_version"] == r["version"] - job["S"]
                                       for r in settled),
             "token_lag_max": max(r["token_lag_max"] for r in rows),
@@ -234,8 +236,13 @@ def _jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Most telling runs first (a cut-short bench keeps them): S=0 and 8, then 4, 16, 2, 1; tasks in order."""
     order = {s: i for i, s in enumerate((0, 8, 4, 16, 2, 1))}
     base = {"steps": args.steps, "overrides": args.overrides}
-    jobs = [{"task": t, "method": m, "S": s, "seed": seed, "mixed": "off", **base}
-            for t in args.task_list for s in args.s_list for m in args.method_list for seed in range(args.seeds)]
+    jobs = [
+        {"task": t, "method": m, "S": s, "seed": seed, "mixed": "off", **base}
+        for t in args.task_list
+        for s in args.s_list
+        for m in args.method_list
+        for seed in range(args.seeds)
+    ]
     jobs += [{"task": t, "method": m, "S": s, "seed": seed, "mixed": mode, **base} for t in args.task_list
              for s in args.mixed_s_list for m in args.mixed_list for mode in ("per_token", "oldest")
              for seed in range(args.seeds)]  # fmt: skip
