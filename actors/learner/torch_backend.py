@@ -219,6 +219,8 @@ class TorchBackend(TrainingBackend):
             "step_skipped": 0.0 if finite else 1.0, "num_micro_batches": float(len(micro_batches)),
             "train_tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
         })  # fmt: skip
+        if self.device.type == "cuda":  # the process's peak so far (what an operator sizes a GPU by)
+            metrics["mem_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return StepResult(metrics=metrics, grad_norm=grad_norm, num_tokens=num_tokens)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

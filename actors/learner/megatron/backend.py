@@ -551,6 +551,7 @@ class MegatronBackend(TrainingBackend):
             "lr": float(self.optimizer.param_groups[0]["lr"]), "step_skipped": 0.0 if ok else 1.0,
             "num_micro_batches": float(len(micro_batches)),
             "train_tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
+            "mem_peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,  # this rank's peak so far
         })  # fmt: skip
         return StepResult(metrics=avg, grad_norm=gn, num_tokens=num_tokens)
 

@@ -1,0 +1,246 @@
+"""``async-rl bench loop``: the whole loop with real processes, N steps, one summary JSON.
+
+Embedded Valkey and NATS servers, one learner (``--learner-nproc`` > 1 runs it under torchrun: Megatron
+TP/PP/EP over the ranks), N torch-engine generators, the copy task; it stops after ``--steps`` learner
+steps or ``--max-minutes``. What it measures comes from the processes themselves: every learner step's
+metrics (the ``LearnerProgress`` events on NATS, one per step, all scalar metrics), every generator
+heartbeat (weight fetch time, swap pause, tokens/s), and the logs, which stay in the run directory.
+
+    async-rl bench loop --json out.json                                  # CPU: the quickstart's model
+    async-rl bench loop --json out.json --model moe-107m --device cuda --backend megatron --steps 40
+
+Summary fields: ``steps``, ``wall_s``, ``steps_per_s`` (after ``--warmup-steps``), ``step_interval_s`` and
+``train_s`` (medians), ``publish_block_s`` / ``publish_block_frac`` (the loop's wait on publishing, when the
+learner reports it; else ``non_train_frac``: the share of each step interval not spent training),
+``learner_tokens_per_s``, ``generator_tokens_per_s``, ``generator_fetch_s``, ``swap_pause_ms``,
+``reward_curve``, ``tokens_by_staleness``, ``peak_memory_gib`` (the learner's, GPU), ``tracebacks`` (lines
+in any process log; a clean run has none).
+
+``moe-107m`` is the GPU benchmark model of the publishing and Megatron issues: Qwen3-MoE, 8 layers, hidden
+512, 32 experts top-4 (expert FFN 256), the toy tokenizer (copy task): 107M parameters, 214 MB in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MODELS = ("tiny-moe", "small-moe", "moe-107m")
+"""Presets, plus the GPU benchmark model built into the run directory (any other value: a model directory)."""
+LEARNER_DEFAULTS = ["task.name=copy", "batch_groups=32", "sampling.n=8", "checkpoint.every=10",
+                    "metrics.wandb_mode=disabled", "staleness.max_staleness=2"]  # fmt: skip
+"""The quickstart's batch (32 prompts x 8 samples) and staleness bound; wandb off (a benchmark, not a run)."""
+
+
+def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, required=True, help="write the summary here")
+    p.add_argument("--steps", type=int, default=30, help="learner steps (default 30)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of the rates (start-up, compilation)")
+    p.add_argument("--generators", type=int, default=2)
+    p.add_argument("--learner-nproc", type=int, default=1, help="learner ranks (> 1: torchrun, backend megatron)")
+    p.add_argument("--backend", choices=("torch", "megatron"), default="torch")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="learner and generators")
+    p.add_argument("--model", default="tiny-moe", help=f"one of {', '.join(MODELS)}, or a model directory")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--max-minutes", type=float, default=9.0, help="wall-clock limit")
+    p.add_argument("--run-dir", type=Path, default=None, help="default runs/bench-loop-<time>")
+    p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE", help="extra learner override")
+    p.add_argument("--generator", action="append", default=[], metavar="KEY=VALUE", help="extra generator override")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.generators < 1 or args.learner_nproc < 1:
+        p.error("--steps, --generators and --learner-nproc must be >= 1")
+    if args.learner_nproc > 1 and args.backend != "megatron":
+        p.error("--learner-nproc > 1 needs --backend megatron")
+    if args.model not in MODELS and not Path(args.model, "config.json").is_file():
+        p.error(f"--model must be one of {', '.join(MODELS)} or a model directory with a config.json: {args.model!r}")
+    return args
+
+
+def build_model_dir(name: str, run_dir: Path) -> str:
+    """The model's name for ``model.name``: a preset as is, ``moe-107m`` written into ``run_dir/model``."""
+    if name != "moe-107m":
+        return name
+    from async_rl.models import build_model, save_pretrained_dir, tiny_moe_config
+
+    cfg = tiny_moe_config(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=4,
+                          moe_intermediate_size=256)  # fmt: skip
+    path = run_dir / "model"
+    save_pretrained_dir(path, build_model(cfg, seed=0))
+    return str(path)
+
+
+def commands(args: argparse.Namespace, model: str, prefix: str, redis_url: str, nats_url: str,
+             run_dir: Path) -> tuple[list[str], list[list[str]]]:  # fmt: skip
+    """The learner's and each generator's command lines (``python -m actors.commands``: no console script)."""
+    common = [f"run.prefix={prefix}", f"run.redis_url={redis_url}", f"run.nats_url={nats_url}"]
+    learner = [*common, f"run.run_dir={run_dir}", *LEARNER_DEFAULTS, f"model.name={model}", f"backend={args.backend}",
+               f"max_steps={args.steps}"]  # fmt: skip
+    if args.backend == "torch":
+        learner += [f"torch.device={args.device}", f"torch.lr={args.lr}",
+                    f"torch.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}"]  # fmt: skip
+    else:
+        learner += [f"megatron.lr={args.lr}"]
+    learner += args.learner
+    if args.learner_nproc > 1:
+        launcher = [shutil.which("torchrun") or "torchrun", "--standalone", "--nproc-per-node", str(args.learner_nproc)]
+        learner_cmd = [*launcher, "-m", "actors.commands", "learner", *learner]
+    else:
+        learner_cmd = [sys.executable, "-m", "actors.commands", "learner", *learner]
+    gens = []
+    for i in range(args.generators):
+        g = [*common, f"generator_id=gen-{i}", "task.name=copy", f"torch.model.name={model}",
+             f"torch.device={args.device}", *args.generator]  # fmt: skip
+        if args.device == "cpu":
+            g.append("torch.num_threads=1")
+        gens.append([sys.executable, "-m", "actors.commands", "generator", *g])
+    return learner_cmd, gens
+
+
+def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any], warmup: int) -> dict[str, Any]:
+    """The summary fields (module docstring) from the learner's step events and the generators' heartbeats."""
+    events = sorted(events, key=lambda e: e[1])
+    steady = [e for e in events if e[1] > warmup]
+    med = statistics.median
+
+    def col(key: str, rows: list[tuple[float, int, dict[str, float]]] = steady) -> list[float]:
+        return [m[key] for _, _, m in rows if key in m]
+
+    out: dict[str, Any] = {"steps": events[-1][1] if events else 0}
+    if len(steady) >= 2:
+        span = steady[-1][0] - steady[0][0]
+        intervals = [b[0] - a[0] for a, b in zip(steady, steady[1:], strict=False)]
+        out["steps_per_s"] = (len(steady) - 1) / span if span > 0 else None
+        out["step_interval_s"] = med(intervals)
+    train = col("train_s")
+    out["train_s"] = med(train) if train else None
+    block = col("publish_block_s")
+    interval = out.get("step_interval_s")
+    if block:
+        out["publish_block_s"] = med(block)
+        out["publish_block_frac"] = med(block) / interval if interval else None
+    if interval and train:
+        out["non_train_frac"] = max(0.0, 1.0 - med(train) / interval)
+    tokens = col("tokens")
+    if len(steady) >= 2 and tokens:
+        span = steady[-1][0] - steady[0][0]
+        out["learner_tokens_per_s"] = sum(tokens[1:]) / span if span > 0 else None
+    out["learner_train_tokens_per_s"] = med(col("tokens_per_s")) if col("tokens_per_s") else None
+    for key in ("loss/mem_peak_gib",):
+        vals = col(key, events)
+        out["peak_memory_gib"] = max(vals) if vals else None
+    out["reward_curve"] = [[s, round(m.get("reward", 0.0), 4), round(m.get("reward/exact", 0.0), 4)]
+                           for _, s, m in events]  # fmt: skip
+    hist: dict[str, float] = {}
+    for _, _, m in events:
+        for k, v in m.items():
+            if k.startswith("loss/staleness_hist_") and k.endswith("_count"):
+                label = k.removeprefix("loss/staleness_hist_").removesuffix("_count")
+                hist[label] = hist.get(label, 0.0) + v
+    out["tokens_by_staleness"] = {k: int(v) for k, v in sorted(hist.items(), key=lambda kv: (len(kv[0]), kv[0]))}
+    live = [b for b in beats if b.version >= 0]
+    fetch = [b.fetch_s for b in live if b.fetch_s > 0]
+    pause = [b.swap_pause_ms for b in live if b.swap_pause_ms > 0]
+    out["generator_fetch_s"] = med(fetch) if fetch else None
+    out["swap_pause_ms"] = med(pause) if pause else None
+    latest: dict[str, Any] = {}
+    rates: dict[str, list[float]] = {}
+    for b in live:
+        latest[b.generator_id] = b
+        if b.tokens_per_s > 0:
+            rates.setdefault(b.generator_id, []).append(b.tokens_per_s)
+    out["generator_tokens_per_s"] = sum(med(r) for r in rates.values()) if rates else None
+    out["generators_seen"] = sorted(latest)
+    return out
+
+
+def tracebacks(run_dir: Path) -> list[str]:
+    """First line of each traceback in the run's process logs."""
+    found = []
+    for log_path in sorted(run_dir.glob("*.log")):
+        lines = log_path.read_text(errors="replace").splitlines()
+        found += [f"{log_path.name}: {lines[i + 1].strip() if i + 1 < len(lines) else ''}"
+                  for i, line in enumerate(lines) if line.startswith("Traceback")]  # fmt: skip
+    return found
+
+
+def main(argv: list[str] | None = None, prog: str = "async-rl bench loop") -> int:
+    args = parse_args(argv, prog)
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from actors.commands.quickstart import _spawn, _stop
+    from async_rl.control import ControlPlane, Heartbeat, LearnerProgress, Message
+    from async_rl.names import Names
+    from async_rl.servers import ensure_servers
+
+    run_dir: Path = args.run_dir or Path("runs") / f"bench-loop-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model_dir(args.model, run_dir)
+    prefix = f"bench-loop-{os.getpid()}"
+    names = Names(prefix=prefix)
+    servers = ensure_servers(None, None)
+    learner_cmd, gen_cmds = commands(args, model, prefix, servers.redis_url, servers.nats_url, run_dir)
+    (run_dir / "commands.json").write_text(json.dumps({"learner": learner_cmd, "generators": gen_cmds}, indent=1))
+    events: list[tuple[float, int, dict[str, float]]] = []
+    beats: list[Any] = []
+
+    async def on_event(msg: Message) -> None:
+        if isinstance(msg, Heartbeat):
+            beats.append(msg)
+        elif isinstance(msg, LearnerProgress):
+            events.append((time.time(), msg.step, dict(msg.metrics)))
+
+    plane = await ControlPlane(servers.nats_url, name="bench-loop").connect()
+    await plane.subscribe(names.heartbeat_subject, on_event, kinds=(Heartbeat,))
+    await plane.subscribe(names.learner_subject, on_event, kinds=(LearnerProgress,))
+    threads = 1 if args.device == "cpu" else 4
+    t0 = time.time()
+    procs = [_spawn(learner_cmd, run_dir / "learner.log", threads=threads)]
+    procs += [_spawn(cmd, run_dir / f"generator-{i}.log", threads=threads) for i, cmd in enumerate(gen_cmds)]
+    deadline = t0 + args.max_minutes * 60
+    outcome = "time limit"
+    try:
+        while time.time() < deadline:
+            await asyncio.sleep(0.5)
+            if procs[0].poll() is not None:
+                outcome = "learner finished" if procs[0].returncode == 0 else f"learner failed ({procs[0].returncode})"
+                break
+            if all(p.poll() is not None for p in procs[1:]):
+                outcome = "all generators exited"
+                break
+    finally:
+        _stop(procs, timeout_s=30.0)
+        await plane.close()
+        servers.stop()
+    summary: dict[str, Any] = {
+        "bench": "loop", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": _machine(args.device),
+        "model": args.model, "backend": args.backend, "device": args.device, "learner_nproc": args.learner_nproc,
+        "generators": args.generators, "lr": args.lr, "learner_overrides": args.learner,
+        "generator_overrides": args.generator, "outcome": outcome, "wall_s": round(time.time() - t0, 1),
+        **summarize(events, beats, args.warmup_steps), "tracebacks": tracebacks(run_dir), "run_dir": str(run_dir),
+    }  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "reward_curve"}, indent=1))
+    return 0 if summary["steps"] >= args.steps and not summary["tracebacks"] else 1
+
+
+def _machine(device: str) -> str:
+    name = f"{platform.node()} ({os.cpu_count()} CPU cores)"
+    if device == "cuda":
+        import torch
+
+        name += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return name
