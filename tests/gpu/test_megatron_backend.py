@@ -47,11 +47,11 @@ def _backend(hf, **kw):  # type: ignore[no-untyped-def]
     return MegatronBackend(cfg, hf.config, sd)
 
 
-def _torch_backend(hf, dtype: str = "float32", lr: float = 1e-3):  # type: ignore[no-untyped-def]
+def _torch_backend(hf, dtype: str = "float32", lr: float = 1e-3, **kw):  # type: ignore[no-untyped-def]
     from actors.learner.config import TorchBackendConfig
     from actors.learner.torch_backend import TorchBackend
 
-    return TorchBackend(copy.deepcopy(hf), TorchBackendConfig(dtype=dtype, device="cuda", lr=lr))
+    return TorchBackend(copy.deepcopy(hf), TorchBackendConfig(dtype=dtype, device="cuda", lr=lr, **kw))
 
 
 def _valid_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -108,6 +108,33 @@ def test_logprobs_match_torch_backend_fp32(attention: str, experts: str) -> None
     # Free routing: same maths, so routes agree except at exact near-ties; nearly every token matches.
     assert float((d_free < LP_TOL).float().mean()) > 0.99
     assert (m_rep.logprobs[~mb.attention_mask] == 0).all() and (m_rep.logprobs[:, 0] == 0).all()
+
+
+def test_token_mask_matches_torch_backend_and_generator() -> None:
+    """The sampling mask (async_rl/token_mask.py) on Megatron's logits: same logprobs and entropy as the torch
+    backend with the same mask, and the masked ids hold no probability (a sampled-then-masked token would be -1e9)."""
+    from actors.learner.megatron.toy import build_hf, hf_routes, make_batch, toy_config, with_routes
+
+    cfg = toy_config()
+    hf = build_hf(cfg)
+    mb = with_routes(make_batch(cfg, [40, 25], seed=5), hf_routes(hf, make_batch(cfg, [40, 25], seed=5)))
+    present = set(mb.input_ids[mb.attention_mask].tolist())  # a masked id as a label would be a -1e9 logprob
+    ids = tuple(i for i in range(cfg.vocab_size) if i not in present)[:40]
+    assert len(ids) >= 10
+    meg, tb = _backend(hf, masked_token_ids=ids), _torch_backend(hf, masked_token_ids=ids)
+    plain = _torch_backend(hf)
+    try:
+        m = meg.forward_logprobs(mb, replay_routes=True, with_entropy=True)
+        t = tb.forward_logprobs(mb, replay_routes=True, with_entropy=True)
+        u = plain.forward_logprobs(mb, replay_routes=True, with_entropy=True)
+    finally:
+        meg.close()
+    d_lp = _valid_diff(m.logprobs, t.logprobs, mb.attention_mask)
+    d_ent = _valid_diff(m.entropy, t.entropy, mb.attention_mask)
+    shift = _valid_diff(u.logprobs, t.logprobs, mb.attention_mask)
+    print(f"masked megatron vs torch: max|dlp|={d_lp:.3e} entropy {d_ent:.3e}; mask moves logprobs by {shift:.3e}")
+    assert d_lp < LP_TOL and d_ent < LP_TOL and bool(torch.isfinite(m.entropy).all())
+    assert shift > 10 * LP_TOL  # the mask changes the distribution: the comparison above is not vacuous
 
 
 def test_bf16_grouped_experts_close_to_torch_backend() -> None:
