@@ -264,8 +264,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench staleness") 
     jobs = [j for j in _jobs(args) if _key(j) not in done]
     print(f"{len(jobs)} runs of {args.steps} steps on {args.workers} workers ({len(done)} already done)", flush=True)
 
+    errors: list[dict[str, Any]] = []
+    jobs_of: dict[cf.Future, dict[str, Any]] = {}
+
     def save() -> dict[str, Any]:
         data = assemble(runs, args, time.monotonic() - t0)
+        data["errors"] = errors
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1) + "\n")
@@ -278,12 +282,21 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench staleness") 
         queue = list(jobs)
         while queue or pending:
             while queue and len(pending) < args.workers and not _over(args, t0):
-                pending.add(pool.submit(run_one, queue.pop(0)))
+                job = queue.pop(0)
+                fut = pool.submit(run_one, job)
+                jobs_of[fut] = job
+                pending.add(fut)
             if not pending:
                 break
             finished, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             for fut in finished:
-                r = fut.result()
+                job = jobs_of[fut]
+                try:
+                    r = fut.result()
+                except Exception as exc:  # one broken run is recorded and the grid goes on
+                    errors.append({**{k: job[k] for k in ("task", "method", "S", "seed", "mixed")}, "error": repr(exc)})
+                    print(f"run failed: {errors[-1]}", file=sys.stderr, flush=True)
+                    continue
                 runs.append(r)
                 print(f"[{time.monotonic() - t0:6.0f}s] {r['task']:<5} {r['method']:<14} {r['mixed']:<9} S={r['S']:<2} "
                       f"seed {r['seed']}: final {r['final_reward']:.3f} to0.9 {r['steps_to_0_9']} "
@@ -293,7 +306,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench staleness") 
     if args.plot is not None and data["results"]:
         plot(data, args.plot)
     _summary(data)
-    return 0
+    return 1 if errors else 0
 
 
 def _over(args: argparse.Namespace, t0: float) -> bool:
