@@ -136,6 +136,12 @@ class Names:
         return self.key("weights", "retiring")
 
     @property
+    def weights_want_full(self) -> str:
+        """Sorted set of generators asking for a full version (member = reader id, score = unix ms); the publisher
+        takes it before each version and then publishes a full one (a late joiner, a refused delta)."""
+        return self.key("weights", "want_full")
+
+    @property
     def generators(self) -> str:
         """Hash: generator id -> its last heartbeat (kept by the learner; ``async-rl status`` lists the departed)."""
         return self.key("generators")

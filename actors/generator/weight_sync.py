@@ -11,6 +11,13 @@ generating meanwhile and stops only for its swap. A version that is corrupt (che
 mismatch, bad manifest) or that the engine refuses is never applied: it is logged, counted and
 not retried; the engine keeps its last good weights. A version that vanished (pruned while we
 were behind) is skipped for the newer one.
+
+Delta versions (docs/weights.md): the sync holds the tensors of the version it staged last (host memory, shared
+with the engine's pending copy and never written) and applies the next delta onto them. A delta that does not
+check bit for bit is refused; the version is then built again from its newest full version, and if that fails
+too the publisher is asked for a full one (:meth:`WeightReader.request_full`), which the sync moves to when it
+comes. A generator that joins late or missed versions builds the newest from its full version plus the deltas
+after it.
 """
 
 from __future__ import annotations
@@ -61,6 +68,12 @@ class WeightSync:
     refused: set[int]
     last_fetch: FetchedVersion | None
     """The last staged version's manifest and timings (its tensors dropped)."""
+    num_full_requests: int
+    """Full versions asked of the publisher (a delta that could not be built bit for bit, a chain that is gone)."""
+    bytes_fetched: int
+    """Bucket bytes fetched over the sync's life."""
+    _held: FetchedVersion | None
+    """The last staged version with its tensors: the base the next delta applies to."""
     last_error: str
     _wake: asyncio.Event
     _stop: asyncio.Event
@@ -89,6 +102,9 @@ class WeightSync:
         self.num_staged = self.num_refused = self.num_unavailable = self.num_transient_errors = 0
         self.refused = set()
         self.last_fetch = None
+        self.num_full_requests = 0
+        self.bytes_fetched = 0
+        self._held = None
         self.last_error = ""
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -198,13 +214,15 @@ class WeightSync:
         backoff_s = 0.1
         for attempt in range(1, self.cfg.max_retries + 1):
             try:
-                fetched = await self.reader.fetch(target)
+                fetched = await self._fetch(target)
                 self.engine.stage_weights(fetched.tensors, fetched.version)
             except VersionUnavailable as exc:
                 self.num_unavailable += 1
                 self.last_error = str(exc)
                 log.warning("weights version %d skipped: %s", target, exc)
                 self.refused.add(target)  # it will not come back; a newer one will be announced
+                if "pruned" in str(exc) or "is a delta" in str(exc):
+                    await self._request_full()  # the chain to it is gone: the next version is full
                 await self._refresh_latest()
                 return False
             except (CorruptVersion, ValueError) as exc:
@@ -212,6 +230,7 @@ class WeightSync:
                 self.refused.add(target)
                 self.last_error = str(exc)
                 log.error("weights version %d refused, keeping version %d: %s", target, self.staged_version, exc)
+                await self._request_full()
                 return False
             except (*TRANSIENT_ERRORS, WeightsError) as exc:
                 self.num_transient_errors += 1
@@ -226,6 +245,8 @@ class WeightSync:
                 backoff_s = min(backoff_s * 2, self.cfg.max_backoff_s)
                 continue
             self.staged_version = fetched.version
+            self._held = fetched  # the base of the next delta (the engine only reads these tensors)
+            self.bytes_fetched += fetched.bytes_fetched
             # Timings and manifest only: the tensors (a whole version of buffers) belong to the engine now.
             self.last_fetch = dataclasses.replace(fetched, tensors={})
             self.num_staged += 1
@@ -235,6 +256,24 @@ class WeightSync:
             )  # fmt: skip
             return True
         return False
+
+    async def _fetch(self, target: int) -> FetchedVersion:
+        """``target`` built onto the held version when a chain of deltas leads there; a delta that does not check
+        is refused, then built again from its full version (the held copy is not trusted any more)."""
+        if self._held is None:
+            return await self.reader.fetch(target)
+        try:
+            return await self.reader.fetch(target, have=self._held)
+        except CorruptVersion as exc:
+            log.warning("weights version %d did not build bit for bit on the held v%d (%s); refetching it from its "
+                        "full version", target, self._held.version, exc)  # fmt: skip
+            self._held = None
+            return await self.reader.fetch(target)
+
+    async def _request_full(self) -> None:
+        self._held = None
+        if await self.reader.request_full():
+            self.num_full_requests += 1
 
     async def _refresh_or_give_up(self) -> bool:
         """Read the newest version; a failure is logged and retried by the caller, but ``max_retries`` failures in a

@@ -15,7 +15,10 @@ One step:
    killed between the checkpoint and the ack (or the metrics write) finishes both on resume; one
    killed earlier re-reads the groups of lost steps and skips those of committed ones. Every group
    is trained exactly once, every committed step has its metrics row, and the counters stay exact;
-5. publish weights every ``publish_every`` steps; log metrics (wandb, JSONL, console, NATS).
+5. publish weights every ``publish_every`` steps: the step waits only for a snapshot into reused host buffers;
+   encoding (deltas), checksums and transfer run in the background while the next steps train, and a step that
+   finds a version still going out skips its own (:mod:`async_rl.weights.background`); the last step waits
+   for its version to be out; log metrics (wandb, JSONL, console, NATS).
 
 A step the backend fails on does not stop the learner: each group is tried alone (a forward pass)
 and the ones that fail go to the dead letters with the error; when none fails alone, the batch is
@@ -51,6 +54,7 @@ from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.transport import make_transport
 from async_rl.weights import WeightPublisher
+from async_rl.weights.background import BackgroundPublisher, PublishRecord
 from async_rl.wire_types import GroupRecord
 from buffer.dead_letters import error_line
 from buffer.entry_checks import EntryChecker, ModelFacts
@@ -112,6 +116,9 @@ class Learner:
     _control: ControlPlane | None
     _signals: LearnerSignals
     _publisher: WeightPublisher | None
+    _weights: BackgroundPublisher | None
+    _publish_records: list[PublishRecord]
+    """Versions committed since the last step's metrics row."""
     _prompts: PromptQueue | None
     _reader: RolloutReader | None
     _metrics: MetricsLogger | None
@@ -136,6 +143,8 @@ class Learner:
         self._control = None
         self._signals = LearnerSignals(cfg)  # /metrics and the scaling signal
         self._publisher = None
+        self._weights = None
+        self._publish_records = []
         self._prompts = None
         self._reader = None
         self._metrics = None
@@ -180,6 +189,8 @@ class Learner:
         stack.push_async_callback(transport.close)
         self._publisher = WeightPublisher(self._redis, transport, names, cfg.publisher, self._control)
         await self._publisher.clean_staging()
+        self._weights = BackgroundPublisher(self._publisher, on_commit=self._on_published)
+        stack.push_async_callback(self._weights.aclose)  # before the transport closes: the version going out ends
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
         self._checker = EntryChecker(await asyncio.to_thread(_model_facts, cfg), num_samples=cfg.sampling.n)
         self._reader = RolloutReader(self._redis, names, cfg.rollouts, checker=self._checker, check_issued=True)
@@ -205,7 +216,7 @@ class Learner:
                         "is published as v%d", self.state.version + 1, latest, self.state.step, latest + 1)  # fmt: skip
             self.state.version = latest + 1
         if latest is None or latest < self.state.version:
-            await self._publish()
+            await self._publish(wait=True)
         else:
             self.state.published_version = latest
         self._checker.max_version = max(self.state.version, self.state.published_version)
@@ -227,6 +238,8 @@ class Learner:
                     continue
                 self._signals.batch_ready(waited_s=time.monotonic() - t0)
                 await self._step(entries)
+            if self._weights is not None:  # the last trained version goes out before the learner leaves
+                await self._publish(wait=True)
             if self._unacked:  # the last steps since a checkpoint: commit them before leaving
                 await self._commit()
             if not self.stop_event.is_set():  # max_steps or target_reward: the run is over, everywhere
@@ -351,6 +364,10 @@ class Learner:
         num_tokens = sum(int(s.input_ids.size) for s in samples)
         counters = await self._counters()
         publishing = step % cfg.publish_every == 0
+        if publishing:  # snapshot now; the last step of the run waits for its version to be out
+            await self._publish(wait=bool(cfg.max_steps) and step >= cfg.max_steps)
+        committed, self._publish_records = self._publish_records, []
+        assert self._weights is not None
         metrics: dict[str, Any] = {
             **{f"loss/{k}": v for k, v in result.metrics.items()},
             **{f"adv/{k}": v for k, v in adv_metrics.items()},
@@ -360,7 +377,12 @@ class Learner:
             "samples_per_s": len(samples) / max(train_s, 1e-9), "tokens_per_s": num_tokens / max(train_s, 1e-9),
             "staleness_group_max": max((version_before - g.min_version for g in groups), default=0),
             "max_staleness_seen": self._max_staleness_seen,
-            "published_version": self.state.version if publishing else self.state.published_version,
+            # The newest version handed to the publisher (visible now or soon); weights/visible_version: committed.
+            "published_version": self._offered_version,
+            "weights/visible_version": self.state.published_version,
+            "weights/versions_skipped": self._weights.versions_skipped,
+            "weights/publish_block_s": self._last_publish_s or 0.0,
+            **_publish_metrics(committed),
             **{f"buffer/{k}": v for k, v in counters.items()},
             **self._signals.fleet_metrics(),
         }  # fmt: skip
@@ -372,11 +394,12 @@ class Learner:
         self._pending_rows.append((step, metrics))
         if step % cfg.checkpoint.every == 0:
             await self._commit()
-        if publishing:
-            await self._publish()
         assert self._control is not None and self._redis is not None
-        await self._redis.hset(self.cfg.run.names.learner_state,
-                               mapping={"version": self.state.version, "step": self.state.step})  # fmt: skip
+        await self._redis.hset(self.cfg.run.names.learner_state, mapping={
+            "version": self.state.version, "step": self.state.step, "published_version": self.state.published_version,
+            "versions_skipped": self._weights.versions_skipped,
+            **{k.removeprefix("weights/"): round(v, 6) for k, v in _publish_metrics(committed).items()},
+        })  # fmt: skip
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)}
         with contextlib.suppress(Exception):  # progress events are informational
             await self._control.publish(self.cfg.run.names.learner_subject,
@@ -474,19 +497,35 @@ class Learner:
                 self._metrics.log(int(step), row)
                 log.info("wrote the metrics row of committed step %d (lost with the previous learner)", step)
 
-    async def _publish(self) -> None:
-        assert self._publisher is not None
+    @property
+    def _offered_version(self) -> int:
+        """The newest version handed to the publisher (snapshotted; committed or going out)."""
+        assert self._weights is not None
+        inflight = self._weights.inflight_version
+        return max(self.state.published_version, inflight if inflight is not None else -1)
+
+    async def _publish(self, *, wait: bool = False) -> None:
+        """Snapshot the weights as the current version and publish them in the background (``wait``: until it is
+        out, after the version going out before it). A step that finds a version still going out skips its own."""
+        assert self._weights is not None
         t0 = time.monotonic()
-        tensors = await asyncio.to_thread(lambda: dict(self.backend.export_weights()))
-        await self._publisher.publish(tensors, self.state.version)
-        self.state.published_version = self.state.version
-        if self._checker is not None:  # tokens of this version may arrive from now on
-            self._checker.max_version = max(self._checker.max_version or 0, self.state.version)
+        version = self.state.version
+        if wait:
+            await self._weights.flush(version, self.backend.export_weights)
+        elif not await self._weights.offer(version, self.backend.export_weights):
+            log.debug("weights v%d skipped: v%s is still going out", version, self._weights.inflight_version)
         self._last_publish_s = time.monotonic() - t0
+
+    def _on_published(self, record: PublishRecord) -> None:
+        """A version is visible: tokens of it may arrive from now on."""
+        self.state.published_version = max(self.state.published_version, record.version)
+        if self._checker is not None:
+            self._checker.max_version = max(self._checker.max_version or 0, record.version)
+        self._publish_records.append(record)
         # The first version at start-up gets a line of its own; later ones are in their step's line.
-        log.log(logging.INFO if self.state.step == 0 else logging.DEBUG, "published weights v%d (%.1f MB) in %.2fs",
-                self.state.version, sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
-                self._last_publish_s)  # fmt: skip
+        log.log(logging.INFO if self.state.step == 0 else logging.DEBUG,
+                "published weights v%d (%s, %.2f of %.2f MB) %.3fs after its snapshot", record.version, record.kind,
+                record.bytes_sent / 1e6, record.full_bytes / 1e6, record.latency_s)  # fmt: skip
 
     async def _counters(self) -> dict[str, int]:
         assert self._redis is not None and self._prompts is not None
@@ -502,6 +541,16 @@ def _model_facts(cfg: LearnerConfig) -> ModelFacts:
     from async_rl.models import load_model_config
 
     return ModelFacts.from_hf_config(load_model_config(cfg.model.name))
+
+
+def _publish_metrics(records: list[PublishRecord]) -> dict[str, float]:
+    """Metrics of the versions committed during a step (the newest one's sizes; empty when none was)."""
+    if not records:
+        return {}
+    r = records[-1]
+    return {"weights/bytes": float(r.bytes_sent), "weights/full_bytes": float(r.full_bytes),
+            "weights/delta_ratio": r.delta_ratio, "weights/publish_latency_s": r.latency_s,
+            "weights/full": float(r.kind == "full")}  # fmt: skip
 
 
 class _Union:

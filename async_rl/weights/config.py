@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from async_rl.checksums import CHECKSUMS
 from async_rl.transport import MAX_BUCKET_BYTES
 
+# zstd's highest compression level (the zstandard package is not imported here: configs stay light).
+ZSTD_MAX_LEVEL = 22
+
 
 @dataclass(kw_only=True, slots=True)
 class PublisherConfig:
@@ -21,6 +24,19 @@ class PublisherConfig:
     secret_file: str = ""
     """File holding the run secret that signs every manifest (HMAC-SHA256); empty: $ASYNC_RL_RUN_SECRET_FILE, else
     $ASYNC_RL_RUN_SECRET, else manifests are not signed (async_rl/weights/signing.py)."""
+    background: bool = True
+    """The training loop waits only for a snapshot of the weights into reused host buffers; encoding, checksums
+    and transfer run in the background while the next steps train. A step that ends while a version is still
+    going out publishes nothing (its version is skipped: generators move to the newest complete one). False: the
+    loop waits for every version to be published (the path before issue 17)."""
+    delta: bool = True
+    """Publish a version as the change from the previous published one (XOR + zstd per piece, each piece only
+    where that is smaller; async_rl/weights/delta.py). Generators check every tensor bit for bit."""
+    full_every: int = 10
+    """With ``delta``: every this many published versions one is full (and whenever a generator asks for one);
+    1 makes every version full. Pruning keeps the newest full version and the deltas after it."""
+    zstd_level: int = 1
+    """zstd level of delta payloads (1-22; 1 measured smallest per second of CPU here, docs/weights.md)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.bucket_bytes <= MAX_BUCKET_BYTES:
@@ -29,6 +45,10 @@ class PublisherConfig:
             raise ValueError("weights.keep_versions must be >= 1")
         if self.checksum and self.checksum not in CHECKSUMS:
             raise ValueError(f"weights.checksum must be one of {sorted(CHECKSUMS)}, got {self.checksum!r}")
+        if self.full_every < 1:
+            raise ValueError(f"weights.full_every must be >= 1, got {self.full_every}")
+        if not 1 <= self.zstd_level <= ZSTD_MAX_LEVEL:
+            raise ValueError(f"weights.zstd_level must be in [1, {ZSTD_MAX_LEVEL}], got {self.zstd_level}")
 
 
 

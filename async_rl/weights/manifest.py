@@ -1,14 +1,20 @@
-"""Bucket planning, packing and the manifest of one weight version.
+"""Bucket planning, packing and the manifest of one weight version (schema 2: pieces, ranks, deltas).
 
-A version is a set of named tensors packed into buckets: contiguous byte buffers of about
-``bucket_bytes`` each (tensors in the given order, each at a 64-byte aligned offset; a tensor
-larger than a bucket gets a bucket of its own). The manifest names every tensor's dtype, shape,
-bucket and offset, and every bucket's size and checksum, so a reader can verify each bucket and
-view its tensors in place without copying.
+A version is a set of Hugging Face tensors. Each tensor arrives as one or more **pieces**, each a slice
+``[start, start + length)`` along one dimension ``dim`` of the full tensor, written by the rank that owns it (a TP
+slice, a PP stage's layers, an EP rank's experts; the torch backend: one piece per tensor, rank 0). A piece's
+stored bytes (its *payload*) sit in a bucket, a contiguous byte buffer of about ``bucket_bytes`` (payloads in the
+given order, each at a 64-byte aligned offset; a payload larger than a bucket gets a bucket of its own). A payload
+is encoded (:mod:`.delta`): ``raw`` (the piece's bytes), ``xor-zstd`` (zstd of the byte-shuffled XOR with the same
+piece of version ``base``) or ``same`` (no bytes: unchanged since ``base``). Every piece carries the checksum of its
+FULL contents, so a reader that applied a delta checks the result bit for bit. The manifest names every tensor's
+dtype, shape and pieces, and every bucket's size and checksum; a ``full`` version needs nothing else, a ``delta``
+version needs version ``base`` (itself full or a delta back to ``full_version``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -20,7 +26,7 @@ import torch
 from async_rl.checksums import CHECKSUMS, checksum_stream, default_checksum  # noqa: F401 - re-exported
 from async_rl.weights.signing import hmac_matches, manifest_hmac
 
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2
 # Tensor offsets inside a bucket are aligned to a cache line, so every dtype's view is aligned.
 ALIGN_BYTES = 64
 
@@ -51,7 +57,7 @@ class ManifestAuthError(ManifestError):
 
 @dataclass(slots=True)
 class TensorEntry:
-    """Where one tensor lives inside a version."""
+    """Where one tensor (or piece payload) is placed by :func:`plan_buckets`."""
 
     name: str
     """Hugging Face parameter name."""
@@ -79,13 +85,76 @@ class BucketEntry:
     """Checksum of the bucket bytes under :attr:`Manifest.checksum`."""
 
 
+ENCODINGS = ("raw", "xor-zstd", "same")
+"""Payload encodings of a piece (see :mod:`async_rl.weights.delta`)."""
+
+
+@dataclass(slots=True)
+class PieceEntry:
+    """One rank's piece of a tensor: where its payload is, how it is encoded, where it goes in the full tensor."""
+
+    bucket: int
+    """Bucket holding the payload (any index for an empty payload)."""
+    offset: int
+    """Byte offset of the payload in its bucket."""
+    nbytes: int
+    """Payload bytes (``raw``: the piece's bytes; ``same``: 0)."""
+    checksum: int
+    """Checksum (:attr:`Manifest.checksum`) of the piece's full contents, after any delta is applied."""
+    dim: int = 0
+    """Dimension of the full tensor the piece is a slice of."""
+    start: int = 0
+    """First index along ``dim``."""
+    length: int = -1
+    """Size along ``dim`` (-1: the whole tensor; a 0-d tensor has one piece of length -1)."""
+    encoding: str = "raw"
+    """A key of :data:`ENCODINGS`."""
+    rank: int = 0
+    """The rank that wrote it (informational)."""
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        if self.length < 0:
+            return full
+        return full[: self.dim] + (self.length,) + full[self.dim + 1 :]
+
+    def encode(self) -> list[Any]:
+        return [self.bucket, self.offset, self.nbytes, self.checksum, self.dim, self.start, self.length,
+                self.encoding, self.rank]  # fmt: skip
+
+
+@dataclass(slots=True)
+class ManifestTensor:
+    """One Hugging Face tensor of a version and its pieces."""
+
+    name: str
+    """Hugging Face parameter name."""
+    dtype: str
+    """A key of :data:`DTYPES`."""
+    shape: tuple[int, ...]
+    """Shape of the full tensor."""
+    pieces: list[PieceEntry]
+    """Its pieces (one per owning rank, or one covering it all), in order along their dimension."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @property
+    def whole(self) -> bool:
+        """One piece covering the full tensor."""
+        return len(self.pieces) == 1 and self.pieces[0].length < 0
+
+
+KINDS = ("full", "delta")
+
+
 @dataclass(slots=True)
 class Manifest:
-    """Everything a reader needs to fetch, verify and view one weight version."""
+    """Everything a reader needs to fetch, verify and assemble one weight version."""
 
     version: int
     """Weight version (the learner's counter)."""
-    tensors: list[TensorEntry]
+    tensors: list[ManifestTensor]
     """Tensors in publication order."""
     buckets: list[BucketEntry]
     """Buckets in index order."""
@@ -93,12 +162,26 @@ class Manifest:
     """Name of the transport holding the bucket bytes ('redis', 'shm')."""
     checksum: str
     """Checksum algorithm (a key of :data:`CHECKSUMS`)."""
+    kind: str = "full"
+    """``full``: every payload is ``raw``; ``delta``: payloads relative to version ``base``."""
+    base: int = -1
+    """The version a delta applies to (-1 for a full version)."""
+    full_version: int = -1
+    """The full version this version's chain of deltas starts from (itself for a full version)."""
+    num_ranks: int = 1
+    """Ranks that wrote pieces."""
     created_at: float = field(default_factory=time.time)
     """Unix time the publisher finished the version."""
 
     @property
     def total_bytes(self) -> int:
+        """Bytes stored (sent) for this version."""
         return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the full tensors (what a full version of the same weights stores, less alignment padding)."""
+        return sum(t.nbytes for t in self.tensors)
 
     @property
     def num_buckets(self) -> int:
@@ -116,12 +199,16 @@ class Manifest:
             {
                 "schema": MANIFEST_SCHEMA,
                 "version": self.version,
+                "kind": self.kind,
+                "base": self.base,
+                "full_version": self.full_version,
+                "num_ranks": self.num_ranks,
                 "transport": self.transport,
                 "checksum": self.checksum,
                 "created_at": self.created_at,
                 "total_bytes": self.total_bytes,
                 "buckets": [[b.index, b.nbytes, b.checksum] for b in self.buckets],
-                "tensors": [[t.name, t.dtype, list(t.shape), t.bucket, t.offset, t.nbytes] for t in self.tensors],
+                "tensors": [[t.name, t.dtype, list(t.shape), [p.encode() for p in t.pieces]] for t in self.tensors],
             }
         )
 
@@ -146,12 +233,22 @@ class Manifest:
                 raise ManifestError(f"weights manifest schema {d.get('schema')!r} is not {MANIFEST_SCHEMA}")
             m = cls(
                 version=int(d["version"]),
+                kind=str(d["kind"]),
+                base=int(d["base"]),
+                full_version=int(d["full_version"]),
+                num_ranks=int(d["num_ranks"]),
                 transport=str(d["transport"]),
                 checksum=str(d["checksum"]),
                 created_at=float(d["created_at"]),
                 buckets=[BucketEntry(int(i), int(n), int(c)) for i, n, c in d["buckets"]],
-                tensors=[TensorEntry(n, dt, tuple(s), int(b), int(o), int(nb)) for n, dt, s, b, o, nb in d["tensors"]],
-            )
+                tensors=[
+                    ManifestTensor(n, dt, tuple(int(x) for x in s), [
+                        PieceEntry(int(b), int(o), int(nb), int(c), int(dim), int(st), int(ln), str(enc), int(rk))
+                        for b, o, nb, c, dim, st, ln, enc, rk in pieces
+                    ])
+                    for n, dt, s, pieces in d["tensors"]
+                ],
+            )  # fmt: skip
         except ManifestError:
             raise
         except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
@@ -162,8 +259,16 @@ class Manifest:
         return m
 
     def validate(self) -> None:
+        """Check everything a reader relies on; :class:`ManifestError` naming the tensor or field otherwise."""
         if self.checksum not in CHECKSUMS:
             raise ManifestError(f"weights manifest checksum {self.checksum!r} is not one of {sorted(CHECKSUMS)}")
+        if self.kind not in KINDS:
+            raise ManifestError(f"weights manifest kind {self.kind!r} is not one of {list(KINDS)}")
+        if self.kind == "full" and (self.base != -1 or self.full_version != self.version):
+            raise ManifestError(f"full weights version {self.version}: base must be -1 and full_version itself")
+        if self.kind == "delta" and not 0 <= self.full_version <= self.base < self.version:
+            raise ManifestError(f"delta weights version {self.version}: needs full_version <= base < version, got "
+                                f"full_version {self.full_version}, base {self.base}")  # fmt: skip
         for i, b in enumerate(self.buckets):
             if b.index != i:
                 raise ManifestError(f"weights manifest bucket {i} has index {b.index}")
@@ -174,13 +279,59 @@ class Manifest:
             seen.add(t.name)
             if t.dtype not in DTYPES:
                 raise ManifestError(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
-            numel = 1
-            for s in t.shape:
-                numel *= s
-            if numel * DTYPES[t.dtype].itemsize != t.nbytes:
-                raise ManifestError(f"tensor {t.name!r}: shape {t.shape} x {t.dtype} is not {t.nbytes} bytes")
-            if not 0 <= t.bucket < len(self.buckets) or t.offset + t.nbytes > self.buckets[t.bucket].nbytes:
-                raise ManifestError(f"tensor {t.name!r} lies outside its bucket {t.bucket}")
+            _validate_pieces(self, t)
+
+
+def _validate_pieces(m: Manifest, t: ManifestTensor) -> None:
+    itemsize = DTYPES[t.dtype].itemsize
+    if not t.pieces:
+        raise ManifestError(f"tensor {t.name!r} has no pieces")
+    if not t.whole:
+        dim = t.pieces[0].dim
+        if not 0 <= dim < len(t.shape):
+            raise ManifestError(f"tensor {t.name!r}: piece dimension {dim} is outside its shape {t.shape}")
+        pos = 0
+        for p in t.pieces:
+            if p.dim != dim or p.start != pos or p.length <= 0:
+                raise ManifestError(f"tensor {t.name!r}: pieces do not tile dimension {dim} of {t.shape} "
+                                    f"(a piece at {p.start}+{p.length} along {p.dim}, expected start {pos})")  # fmt: skip
+            pos += p.length
+        if pos != t.shape[dim]:
+            raise ManifestError(f"tensor {t.name!r}: pieces cover {pos} of {t.shape[dim]} along dimension {dim}")
+    for p in t.pieces:
+        if p.encoding not in ENCODINGS:
+            raise ManifestError(f"tensor {t.name!r}: piece encoding {p.encoding!r} is not one of {list(ENCODINGS)}")
+        if m.kind == "full" and p.encoding != "raw":
+            raise ManifestError(f"tensor {t.name!r}: a full version stores raw pieces, not {p.encoding!r}")
+        raw = math.prod(p.shape(t.shape)) * itemsize
+        if p.encoding == "raw" and p.nbytes != raw:
+            raise ManifestError(f"tensor {t.name!r}: raw piece of {p.nbytes} bytes, its shape x {t.dtype} is {raw}")
+        if p.encoding == "same" and p.nbytes != 0:
+            raise ManifestError(f"tensor {t.name!r}: an unchanged ('same') piece stores {p.nbytes} bytes, not 0")
+        if p.nbytes and (not 0 <= p.bucket < len(m.buckets) or p.offset + p.nbytes > m.buckets[p.bucket].nbytes):
+            raise ManifestError(f"tensor {t.name!r}: a piece lies outside its bucket {p.bucket}")
+
+
+def plan_sizes(sizes: Iterable[int], bucket_bytes: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Place payloads of ``sizes`` bytes (in order) into buckets of about ``bucket_bytes``: (bucket, offset) of
+    each, and the bucket sizes. Empty payloads take no room (bucket 0, offset 0)."""
+    if bucket_bytes <= 0:
+        raise ValueError("weights.bucket_bytes must be > 0")
+    places: list[tuple[int, int]] = []
+    buckets: list[int] = []
+    fill = 0
+    for nbytes in sizes:
+        if nbytes == 0:
+            places.append((0, 0))
+            continue
+        start = _aligned(fill)
+        if not buckets or (fill > 0 and start + nbytes > bucket_bytes):
+            buckets.append(0)
+            start = 0
+        places.append((len(buckets) - 1, start))
+        fill = start + nbytes
+        buckets[-1] = fill
+    return places, buckets
 
 
 def _aligned(n: int) -> int:

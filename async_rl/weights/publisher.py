@@ -4,15 +4,19 @@ Protocol (keys from :class:`~async_rl.names.Names`):
 
 1. ``weights:staging`` records the version and its bucket count, so a publisher that dies
    mid-way leaves nothing a later publisher cannot find and delete;
-2. every bucket is written through the :class:`~async_rl.transport.BucketTransport`;
-3. one Lua script writes the manifest, adds the version to ``weights:versions``, moves
-   ``weights:latest`` forward and clears the staging entry: the version becomes visible all at
-   once, or not at all;
+2. every rank writes its own pieces' buckets through the :class:`~async_rl.transport.BucketTransport`
+   (:meth:`WeightPublisher.write_rank`: payloads encoded against the rank's copy of the base version
+   when the version is a delta, see :mod:`.delta`), bucket indices from ``first_bucket`` on;
+3. rank 0 merges the ranks' parts into the manifest and one Lua script writes it, adds the version to
+   ``weights:versions``, moves ``weights:latest`` forward and clears the staging entry
+   (:meth:`WeightPublisher.commit`): the version becomes visible all at once, or not at all;
 4. a :class:`~async_rl.control.WeightsAnnounced` goes out on NATS (readers also poll ``latest``);
-5. versions beyond the newest ``keep_versions`` are pruned: hidden at once (removed from
-   ``versions``), deleted only when no reader holds a live lease on them (see :mod:`.reader`).
+5. versions beyond the newest ``keep_versions`` are pruned, except the newest full version and those after it
+   (a late joiner builds the latest from them): hidden at once (removed from ``versions``), deleted only when
+   no reader holds a live lease on them (see :mod:`.reader`).
 
-One publisher (the learner's rank 0) writes a run's weights at a time.
+:meth:`WeightPublisher.publish` does all of it for a dict of whole tensors, as a full version, on one rank.
+One publisher writes a run's weights at a time.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import torch
@@ -29,9 +33,20 @@ import torch
 from async_rl.control import ControlPlane, WeightsAnnounced
 from async_rl.names import Names
 from async_rl.transport import BucketTransport
+from async_rl.weights import delta
 from async_rl.weights.config import PublisherConfig
-from async_rl.weights.manifest import CHECKSUMS, BucketEntry, Manifest, default_checksum, pack_bucket, plan_buckets
+from async_rl.weights.manifest import (
+    CHECKSUMS,
+    DTYPE_NAMES,
+    BucketEntry,
+    Manifest,
+    ManifestTensor,
+    PieceEntry,
+    default_checksum,
+    plan_sizes,
+)
 from async_rl.weights.signing import run_secret
+from async_rl.weights.snapshot import Piece
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +57,12 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2])
 local cur = redis.call('GET', KEYS[3])
 if (not cur) or tonumber(cur) < tonumber(ARGV[2]) then redis.call('SET', KEYS[3], ARGV[2]) end
 redis.call('HDEL', KEYS[4], ARGV[2])
+return 1
+"""
+# KEYS: staging; ARGV: version, buckets up to the end of this rank's range. The largest range of all ranks wins.
+_STAGE_LUA = """
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if tonumber(ARGV[2]) > cur then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 return 1
 """
 # KEYS: manifest, readers, retiring; ARGV: version. Deletes the manifest only when no lease is live.
@@ -57,18 +78,47 @@ return 1
 
 @dataclass(slots=True)
 class PublishStats:
-    """Timings of one publish."""
+    """Timings and sizes of one published version."""
 
     version: int
     total_bytes: int
+    """Bytes stored (sent) for the version."""
     num_buckets: int
     pack_s: float
+    """Encoding, checksums and packing (in worker threads)."""
     put_s: float
     total_s: float
+    kind: str = "full"
+    full_bytes: int = 0
+    """Bytes of the full tensors: ``total_bytes / full_bytes`` is the delta ratio."""
 
     @property
     def gbps(self) -> float:
         return self.total_bytes / max(self.total_s, 1e-9) / 1e9
+
+    @property
+    def delta_ratio(self) -> float:
+        return self.total_bytes / max(self.full_bytes, 1)
+
+
+@dataclass(slots=True)
+class RankPart:
+    """What one rank wrote of a version: its pieces of each tensor and its buckets (global indices)."""
+
+    rank: int
+    tensors: list[ManifestTensor]
+    buckets: list[BucketEntry]
+    pack_s: float = 0.0
+    put_s: float = 0.0
+    encodings: dict[str, int] = field(default_factory=dict)
+    """Pieces per encoding."""
+
+
+@dataclass(slots=True)
+class _Payload:
+    piece: Piece
+    entry: PieceEntry
+    data: memoryview
 
 
 class WeightPublisher:
@@ -82,6 +132,8 @@ class WeightPublisher:
     checksum: str
     hmac_key: bytes | None
     last_stats: PublishStats | None
+    newest_full: int
+    """The newest full version this publisher committed (-1: none yet): pruning keeps it and those after it."""
     _cleaned: bool
 
     def __init__(
@@ -100,6 +152,7 @@ class WeightPublisher:
         self.checksum = self.cfg.checksum or default_checksum()
         self.hmac_key = run_secret(self.cfg.secret_file)  # None: manifests are not signed
         self.last_stats = None
+        self.newest_full = -1
         self._cleaned = False
 
     async def latest_version(self) -> int | None:
@@ -120,74 +173,182 @@ class WeightPublisher:
             log.warning("deleted half-written weight versions %s left by an earlier publisher", removed)
         return removed
 
-    async def publish(self, tensors: Mapping[str, torch.Tensor], version: int) -> Manifest:
-        """Publish ``tensors`` as ``version`` (must be newer than the latest); returns its manifest."""
+    async def full_wanted(self) -> bool:
+        """True when a reader asked for a full version since the last call (the request is consumed)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zcard(self.names.weights_want_full)
+            pipe.delete(self.names.weights_want_full)
+            count, _ = await pipe.execute()
+        return bool(count)
+
+    async def _check_version(self, version: int) -> None:
         if version < 0:
             raise ValueError(f"weights version must be >= 0, got {version}")
-        if not tensors:
-            raise ValueError("weights: nothing to publish (no tensors)")
         if not self._cleaned:
             await self.clean_staging()
             self._cleaned = True
         latest = await self.latest_version()
         if latest is not None and version <= latest:
             raise ValueError(f"weights version {version} is not newer than the latest published version {latest}")
+
+    async def publish(self, tensors: Mapping[str, torch.Tensor], version: int) -> Manifest:
+        """Publish ``tensors`` (whole, any device) as full ``version`` (must be newer than the latest)."""
+        if not tensors:
+            raise ValueError("weights: nothing to publish (no tensors)")
         t0 = time.perf_counter()
-        entries, sizes = plan_buckets(tensors, self.cfg.bucket_bytes)
-        await self.redis.hset(self.names.weights_staging, str(version), str(len(sizes)))
-        by_bucket: list[list] = [[] for _ in sizes]
-        for e in entries:
-            by_bucket[e.bucket].append(e)
+        part = await self.write_rank(version, [Piece(k, v) for k, v in tensors.items()])
+        return await self.commit(version, [part], started_at=t0)
+
+    async def write_rank(
+        self,
+        version: int,
+        pieces: Sequence[Piece],
+        *,
+        base: Mapping[str, torch.Tensor] | None = None,
+        rank: int = 0,
+        first_bucket: int = 0,
+    ) -> RankPart:
+        """Encode and write this rank's ``pieces`` of ``version`` into buckets ``first_bucket``, ... (the ranks'
+        ranges must not overlap: rank r starts after the buckets of ranks < r). With ``base`` (this rank's pieces
+        of the base version, by name) each piece is stored as a delta where that is smaller (:mod:`.delta`).
+        Nothing is visible until :meth:`commit`."""
+        if not pieces:
+            raise ValueError("weights: nothing to publish (no tensors)")
+        await self._check_version(version)
         hasher = CHECKSUMS[self.checksum]
-        # Two buffers of the largest bucket: bucket i+1 is packed and checksummed (in a worker thread; torch's
-        # copy and xxhash release the GIL) while bucket i is on the wire.
-        buffers = [bytearray(max(sizes)) for _ in range(min(2, len(sizes)))]
+        level = self.cfg.zstd_level
+
+        def encode() -> list[_Payload]:
+            out = []
+            for p in pieces:
+                t = p.tensor.detach()
+                if t.dtype not in DTYPE_NAMES:
+                    raise ValueError(f"weights: tensor {p.name!r} has unsupported dtype {t.dtype}")
+                if t.device.type != "cpu":
+                    t = t.to("cpu")
+                t = t.contiguous()
+                new = delta.as_bytes(t)
+                b = base.get(p.name) if base is not None else None
+                old = delta.as_bytes(b) if b is not None and b.shape == t.shape and b.dtype == t.dtype else None
+                encoding, data = delta.encode(new, old, t.element_size(), level)
+                dim, start, length = (0, 0, -1) if p.whole else (p.dim, p.start, int(t.shape[p.dim]))
+                entry = PieceEntry(0, 0, data.nbytes, hasher(new.data), dim, start, length, encoding, rank)
+                out.append(_Payload(Piece(p.name, t, p.full_shape, p.dim, p.start), entry, data))
+            return out
+
+        t0 = time.perf_counter()
+        payloads = await asyncio.to_thread(encode)
+        encode_s = time.perf_counter() - t0
+        places, sizes = plan_sizes([x.data.nbytes for x in payloads], self.cfg.bucket_bytes)
+        for x, (bucket, offset) in zip(payloads, places, strict=True):
+            x.entry.bucket, x.entry.offset = first_bucket + bucket, offset
+        await self.redis.eval(_STAGE_LUA, 1, self.names.weights_staging, str(version), str(first_bucket + len(sizes)))
+        by_bucket: list[list[_Payload]] = [[] for _ in sizes]
+        for x in payloads:
+            if x.data.nbytes:
+                by_bucket[x.entry.bucket - first_bucket].append(x)
+        # Two buffers of the largest bucket: bucket i+1 is packed and checksummed (in a worker thread; memcpy and
+        # xxhash release the GIL) while bucket i is on the wire.
+        buffers = [bytearray(max(sizes, default=0)) for _ in range(min(2, len(sizes)))]
         pack_times: list[float] = []
         put_times: list[float] = []
 
         def pack(index: int) -> tuple[memoryview, int]:
             t1 = time.perf_counter()
             view = memoryview(buffers[index % 2])[: sizes[index]]
-            pack_bucket(tensors, by_bucket[index], view)
+            pos = 0
+            for x in by_bucket[index]:
+                view[pos : x.entry.offset] = bytes(x.entry.offset - pos)  # padding: deterministic bytes
+                view[x.entry.offset : x.entry.offset + x.data.nbytes] = x.data
+                pos = x.entry.offset + x.data.nbytes
             checksum = hasher(view)
             pack_times.append(time.perf_counter() - t1)
             return view, checksum
 
         async def put(index: int, view: memoryview) -> None:
             t1 = time.perf_counter()
-            await self.transport.put(version, index, view)
+            await self.transport.put(version, first_bucket + index, view)
             put_times.append(time.perf_counter() - t1)
 
         buckets: list[BucketEntry] = []
-        packed = await asyncio.to_thread(pack, 0)
+        if sizes:
+            packed = await asyncio.to_thread(pack, 0)
         for index, size in enumerate(sizes):
             view, checksum = packed
-            buckets.append(BucketEntry(index, size, checksum))
+            buckets.append(BucketEntry(first_bucket + index, size, checksum))
             try:
                 async with asyncio.TaskGroup() as tg:
-                    tg.create_task(put(index, view), name=f"weights-put-v{version}-b{index}")
+                    tg.create_task(put(index, view), name=f"weights-put-v{version}-b{first_bucket + index}")
                     if index + 1 < len(sizes):
                         next_pack = tg.create_task(
-                            asyncio.to_thread(pack, index + 1), name=f"weights-pack-b{index + 1}"
+                            asyncio.to_thread(pack, index + 1), name=f"weights-pack-b{first_bucket + index + 1}"
                         )
             except BaseExceptionGroup as group:  # callers catch TransportError & co., not a group of them
                 raise group.exceptions[0] from None
             if index + 1 < len(sizes):
                 packed = next_pack.result()
-        pack_s, put_s = sum(pack_times), sum(put_times)
+        tensors = []
+        encodings: dict[str, int] = {}
+        for x in payloads:
+            t = x.piece.tensor
+            full = tuple(t.shape) if x.piece.whole else tuple(x.piece.full_shape or ())
+            tensors.append(ManifestTensor(x.piece.name, DTYPE_NAMES[t.dtype], full, [x.entry]))
+            encodings[x.entry.encoding] = encodings.get(x.entry.encoding, 0) + 1
+        return RankPart(rank, tensors, buckets, encode_s + sum(pack_times), sum(put_times), encodings)
+
+    async def commit(
+        self,
+        version: int,
+        parts: Sequence[RankPart],
+        *,
+        base: int = -1,
+        full_version: int = -1,
+        started_at: float | None = None,
+    ) -> Manifest:
+        """Rank 0, once every rank's part is written: merge them into the manifest and make ``version`` visible.
+        ``base`` (-1: a full version) is the version the parts' deltas apply to; ``full_version`` the full version
+        its chain starts from."""
+        t0 = time.perf_counter() if started_at is None else started_at
+        merged: dict[str, ManifestTensor] = {}
+        for part in sorted(parts, key=lambda p: p.rank):
+            for t in part.tensors:
+                have = merged.get(t.name)
+                if have is None:
+                    merged[t.name] = ManifestTensor(t.name, t.dtype, t.shape, list(t.pieces))
+                elif (have.dtype, have.shape) != (t.dtype, t.shape):
+                    raise ValueError(f"weights: ranks disagree on tensor {t.name!r}: {have.dtype} {have.shape} vs "
+                                     f"{t.dtype} {t.shape}")  # fmt: skip
+                else:
+                    have.pieces.extend(t.pieces)
+        for t in merged.values():
+            t.pieces.sort(key=lambda p: p.start)
+        buckets = sorted((b for p in parts for b in p.buckets), key=lambda b: b.index)
+        delta_version = base >= 0
         manifest = Manifest(
-            version=version, tensors=entries, buckets=buckets, transport=self.transport.name, checksum=self.checksum
-        )
+            version=version, tensors=list(merged.values()), buckets=buckets, transport=self.transport.name,
+            checksum=self.checksum, kind="delta" if delta_version else "full", base=base,
+            full_version=full_version if delta_version else version, num_ranks=len(parts),
+        )  # fmt: skip
+        try:
+            manifest.validate()
+        except ValueError as exc:
+            raise ValueError(f"weights version {version}: the ranks' pieces do not make a valid version: {exc}") from None
         n = self.names
         await self.redis.eval(
             _COMMIT_LUA, 4, n.weights_manifest(version), n.weights_versions, n.weights_latest, n.weights_staging,
             manifest.encode(self.hmac_key), str(version),
         )  # fmt: skip
+        if not delta_version:
+            self.newest_full = version
         total_s = time.perf_counter() - t0
-        self.last_stats = PublishStats(version, manifest.total_bytes, len(sizes), pack_s, put_s, total_s)
+        self.last_stats = PublishStats(
+            version, manifest.total_bytes, len(buckets), sum(p.pack_s for p in parts), sum(p.put_s for p in parts),
+            total_s, manifest.kind, manifest.full_bytes,
+        )  # fmt: skip
         log.info(
-            "published weights v%d: %d tensors, %d buckets, %.1f MB in %.2fs (%.2f GB/s)",
-            version, len(entries), len(sizes), manifest.total_bytes / 1e6, total_s, self.last_stats.gbps,
+            "published weights v%d (%s): %d tensors, %d buckets, %.2f MB of %.2f MB in %.2fs",
+            version, manifest.kind, len(merged), len(buckets), manifest.total_bytes / 1e6, manifest.full_bytes / 1e6,
+            total_s,
         )  # fmt: skip
         if self.control is not None:
             await self.control.publish(
@@ -196,7 +357,7 @@ class WeightPublisher:
                     version=version,
                     manifest_key=n.weights_manifest(version),
                     total_bytes=manifest.total_bytes,
-                    num_buckets=len(sizes),
+                    num_buckets=len(buckets),
                     transport=self.transport.name,
                 ),
             )
@@ -204,10 +365,14 @@ class WeightPublisher:
         return manifest
 
     async def prune(self) -> list[int]:
-        """Hide versions beyond the newest ``keep_versions``; delete hidden ones nobody is reading."""
+        """Hide versions beyond the newest ``keep_versions`` (never the newest full one or those after it); delete
+        hidden ones nobody is reading."""
         n = self.names
         versions = [int(v) for v in await self.redis.zrange(n.weights_versions, 0, -1)]  # type: ignore[arg-type]
-        excess = versions[: max(0, len(versions) - self.cfg.keep_versions)]
+        keep_from = versions[-self.cfg.keep_versions] if len(versions) >= self.cfg.keep_versions else 0
+        if self.newest_full >= 0:
+            keep_from = min(keep_from, self.newest_full)
+        excess = [v for v in versions if v < keep_from]
         for version in excess:
             raw = await self.redis.get(n.weights_manifest(version))
             count = Manifest.decode(raw).num_buckets if raw is not None else 0

@@ -1,27 +1,39 @@
-"""Reading a weight version: lease, manifest, buckets (prefetched), checksums, zero-copy tensor views.
+"""Reading a weight version: lease, manifest, buckets (prefetched), checksums, pieces assembled, deltas applied.
 
 A reader takes a lease on the version before it reads the manifest (one Lua script that
 refuses when the manifest is gone) and keeps it fresh while it reads; the publisher deletes a
 pruned version only when no lease is live. So a slow reader is never cut off mid-version, and
 a crashed one holds nothing longer than ``lease_ttl_s``.
+
+A full version's tensors are views of the bucket buffers when one piece covers them (no copy), else assembled
+from their pieces. A delta version is applied onto the version the reader holds when that is its base (or a
+chain of deltas leads from it), else onto the newest full version its chain starts from, fetched first (a late
+joiner, a missed version). Every piece is checked against the learner's checksum of its full contents: a
+version is bit-exact or refused (:class:`CorruptVersion`); :meth:`WeightReader.request_full` then asks the
+publisher for a full version.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import redis.asyncio as aioredis
 import torch
+from redis.exceptions import RedisError
 
+from async_rl.checksums import CHECKSUMS
 from async_rl.names import Names
 from async_rl.transport import BucketCorrupt, BucketMissing, BucketTransport
+from async_rl.weights import delta
 from async_rl.weights.config import ReaderConfig
-from async_rl.weights.manifest import Manifest, ManifestError, view_tensor
+from async_rl.weights.manifest import DTYPES, Manifest, ManifestError, ManifestTensor
 from async_rl.weights.signing import run_secret
 
 log = logging.getLogger(__name__)
@@ -52,7 +64,8 @@ class CorruptVersion(WeightsError):
 
 @dataclass(slots=True)
 class FetchedVersion:
-    """A complete, verified version: tensors are views of the fetched bucket buffers."""
+    """A complete, verified version: whole tensors (views of the fetched bucket buffers where possible; never to be
+    written: the next version may share them)."""
 
     version: int
     manifest: Manifest
@@ -60,6 +73,10 @@ class FetchedVersion:
     transfer_s: float
     """Time waiting for verified bucket bytes (checksums are computed by the transport while it receives)."""
     total_s: float
+    bytes_fetched: int = 0
+    """Bucket bytes fetched for it (every version of a chain together)."""
+    chain: tuple[int, ...] = ()
+    """Versions fetched to build it, oldest first (a full version, then deltas; or deltas onto the held one)."""
 
     @property
     def gbps(self) -> float:
@@ -104,41 +121,86 @@ class WeightReader:
     async def _release(self, version: int) -> None:
         await self.redis.zrem(self.names.weights_readers(version), self.reader_id)
 
-    async def fetch(self, version: int | None = None) -> FetchedVersion:
-        """Fetch and verify ``version`` (default: the latest); raises a :class:`WeightsError` subclass."""
+    async def request_full(self) -> bool:
+        """Ask the publisher for a full version (its next one is full); False when this reader may not (an ACL)."""
+        try:
+            await self.redis.zadd(self.names.weights_want_full, {self.reader_id: int(time.time() * 1000)})
+        except RedisError as exc:
+            log.warning("could not ask for a full weight version (%r); waiting for the next periodic one", exc)
+            return False
+        return True
+
+    async def _manifest(self, version: int) -> Manifest:
+        raw = await self.redis.get(self.names.weights_manifest(version))
+        if raw is None:
+            raise VersionUnavailable(f"weights version {version} is not available (incomplete or pruned)")
+        try:
+            manifest = Manifest.decode(raw, self.hmac_key)
+        except ManifestError as exc:
+            raise CorruptVersion(f"weights version {version}: {exc}") from exc
+        if manifest.version != version:
+            raise CorruptVersion(f"manifest of weights version {version} says version {manifest.version}")
+        return manifest
+
+    async def fetch(self, version: int | None = None, have: FetchedVersion | None = None) -> FetchedVersion:
+        """Fetch, verify and assemble ``version`` (default: the latest); raises a :class:`WeightsError` subclass.
+
+        A delta is applied onto ``have`` (the version this reader holds) when a chain of deltas leads from it;
+        otherwise the chain is built from its newest full version. :class:`VersionUnavailable` when a version
+        of the chain is gone (then :meth:`request_full`)."""
         if version is None:
             version = await self.latest_version()
             if version is None:
                 raise VersionUnavailable("no weight version has been published yet")
         t0 = time.perf_counter()
+        manifest = await self._manifest(version)
+        chain = [manifest]
+        start: FetchedVersion | None = None
+        while chain[-1].kind == "delta":
+            if have is not None and chain[-1].base == have.version:
+                start = have
+                break
+            chain.append(await self._manifest(chain[-1].base))
+        if start is None:
+            start = await self._read(chain.pop().version, None)
+        transfer_s, nbytes, versions = start.transfer_s, start.bytes_fetched, list(start.chain) if start is not have else []
+        for m in reversed(chain):
+            start = await self._read(m.version, start)
+            transfer_s += start.transfer_s
+            nbytes += start.bytes_fetched
+            versions.append(m.version)
+        total_s = time.perf_counter() - t0
+        return FetchedVersion(start.version, start.manifest, start.tensors, transfer_s, total_s, nbytes, tuple(versions))
+
+    async def _read(self, version: int, base: FetchedVersion | None) -> FetchedVersion:
+        """Lease ``version``, fetch and verify its buckets, build its tensors (a delta onto ``base``)."""
+        t0 = time.perf_counter()
         if not await self._lease(version):
             raise VersionUnavailable(f"weights version {version} is not available (incomplete or pruned)")
         pending: dict[int, asyncio.Task] = {}
         try:
-            raw = await self.redis.get(self.names.weights_manifest(version))
-            if raw is None:
-                raise VersionUnavailable(f"weights version {version} vanished while leased")
-            try:
-                manifest = Manifest.decode(raw, self.hmac_key)
-            except ManifestError as exc:
-                raise CorruptVersion(f"weights version {version}: {exc}") from exc
-            if manifest.version != version:
-                raise CorruptVersion(f"manifest of weights version {version} says version {manifest.version}")
+            manifest = await self._manifest(version)
             if manifest.transport != self.transport.name:
                 raise WeightsError(
                     f"weights version {version} lives on transport {manifest.transport!r}, "
                     f"but this reader uses {self.transport.name!r}"
                 )
-            return await self._fetch_buckets(version, manifest, pending, t0)
+            if manifest.kind == "delta" and (base is None or base.version != manifest.base):
+                have = "none" if base is None else f"v{base.version}"
+                raise VersionUnavailable(f"weights version {version} is a delta from v{manifest.base}; held: {have}")
+            buffers, transfer_s = await self._fetch_buckets(version, manifest, pending)
         finally:
             for task in pending.values():
                 task.cancel()
             await asyncio.gather(*pending.values(), return_exceptions=True)
             await self._release(version)
+        tensors = await asyncio.to_thread(_build, manifest, buffers, base.tensors if base is not None else None)
+        total_s = time.perf_counter() - t0
+        return FetchedVersion(version, manifest, tensors, transfer_s, total_s, manifest.total_bytes, (version,))
 
     async def _fetch_buckets(
-        self, version: int, manifest: Manifest, pending: dict[int, asyncio.Task], t0: float
-    ) -> FetchedVersion:
+        self, version: int, manifest: Manifest, pending: dict[int, asyncio.Task]
+    ) -> tuple[list[memoryview], float]:
         n = manifest.num_buckets
 
         def request(i: int) -> None:
@@ -175,9 +237,61 @@ class WeightReader:
                 renewed_at = time.monotonic()
                 if not await self._lease(version):
                     raise VersionUnavailable(f"weights version {version} vanished while being read")
-        with warnings.catch_warnings():
-            # Read-only buffers (shared memory) give read-only tensors: engines copy them, never write.
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            tensors = {e.name: view_tensor(buffers[e.bucket], e) for e in manifest.tensors}
-        total_s = time.perf_counter() - t0
-        return FetchedVersion(version, manifest, tensors, transfer_s, total_s)
+        return buffers, transfer_s
+
+
+def _piece_base(base: torch.Tensor, dim: int, start: int, length: int) -> np.ndarray:
+    part = base if length < 0 else base.narrow(dim, start, length)
+    return delta.as_bytes(part.contiguous())
+
+
+def _build(manifest: Manifest, buffers: list[memoryview], base: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Worker thread: every tensor of ``manifest`` from its pieces' payloads (deltas onto ``base``), each piece
+    checked against its checksum; CorruptVersion naming the tensor otherwise."""
+    hasher = CHECKSUMS[manifest.checksum]
+    out: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        # Read-only buffers (shared memory) give read-only tensors: engines copy them, never write.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for t in manifest.tensors:
+            out[t.name] = _build_tensor(manifest, t, buffers, base, hasher)
+    return out
+
+
+def _build_tensor(manifest: Manifest, t: ManifestTensor, buffers: list[memoryview],
+                  base: dict[str, torch.Tensor] | None, hasher) -> torch.Tensor:  # type: ignore[no-untyped-def]  # fmt: skip
+    dtype = DTYPES[t.dtype]
+    held = base.get(t.name) if base is not None else None
+    if held is not None and (held.dtype != dtype or tuple(held.shape) != t.shape):
+        raise CorruptVersion(f"weights v{manifest.version} tensor {t.name!r}: {t.dtype} {t.shape} does not match "
+                             f"the held v{manifest.base}'s {held.dtype} {tuple(held.shape)}")  # fmt: skip
+    if manifest.kind == "delta" and held is None:
+        raise CorruptVersion(f"weights v{manifest.version} tensor {t.name!r} is not in the held v{manifest.base}")
+    full: torch.Tensor | None = None
+    for p in t.pieces:
+        shape = p.shape(t.shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        payload = buffers[p.bucket][p.offset : p.offset + p.nbytes] if p.nbytes else memoryview(b"")
+        old = _piece_base(held, p.dim, p.start, p.length) if held is not None and p.encoding != "raw" else None
+        try:
+            data = delta.decode(p.encoding, payload, old, nbytes, dtype.itemsize)
+        except ValueError as exc:
+            raise CorruptVersion(f"weights v{manifest.version} tensor {t.name!r}: {exc}") from None
+        got = hasher(data.data)
+        if got != p.checksum:
+            how = f"after applying the delta to v{manifest.base}" if p.encoding != "raw" else "as stored"
+            raise CorruptVersion(f"weights v{manifest.version} tensor {t.name!r}: {manifest.checksum} {got:#x} "
+                                 f"{how} != the learner's {p.checksum:#x}")  # fmt: skip
+        if p.length < 0:  # the whole tensor
+            if p.encoding == "same" and held is not None:
+                return held  # unchanged: shared with the held version (never written)
+            if nbytes == 0:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(data, dtype=dtype).view(shape)  # type: ignore[call-overload]
+        if full is None:
+            full = torch.empty(t.shape, dtype=dtype)
+        if nbytes:
+            piece = torch.frombuffer(data, dtype=dtype).view(shape)  # type: ignore[call-overload]
+            full.narrow(p.dim, p.start, p.length).copy_(piece)
+    assert full is not None
+    return full

@@ -69,7 +69,7 @@ async def test_round_trip_every_dtype(redis_client: aioredis.Redis, names: Names
     m = await pub.publish(model, 0)
     assert m.num_buckets >= 3 and m.transport == transport.name and m.checksum == "xxh3_64"
     assert m.total_bytes >= sum(t.numel() * t.element_size() for t in model.values())
-    big = next(t for t in m.tensors if t.name == "big.bf16")
+    big = next(t.pieces[0] for t in m.tensors if t.name == "big.bf16")
     assert big.offset == 0 and m.buckets[big.bucket].nbytes == big.nbytes  # alone in its bucket
     reader = WeightReader(redis_client, transport, names)
     assert await reader.latest_version() == 0
@@ -275,7 +275,7 @@ async def test_a_bucket_larger_than_one_redis_value_travels_in_parts(
     pub = WeightPublisher(redis_client, transport, names, PublisherConfig(bucket_bytes=16 << 10, keep_versions=1))
     model = _model(0)  # "big.bf16" (64 KiB) gets a bucket of its own: 7 parts of at most 10 kB
     m = await pub.publish(model, 0)
-    big = next(t for t in m.tensors if t.name == "big.bf16")
+    big = next(t.pieces[0] for t in m.tensors if t.name == "big.bf16")
     assert await redis_client.exists(*(names.weights_bucket_part(0, big.bucket, p) for p in range(1, 7))) == 6
     reader = WeightReader(redis_client, transport, names)
     assert _same((await reader.fetch(0)).tensors, model)

@@ -13,6 +13,8 @@ from async_rl.weights.manifest import (
     BucketEntry,
     Manifest,
     ManifestError,
+    ManifestTensor,
+    PieceEntry,
     checksum_stream,
     pack_bucket,
     plan_buckets,
@@ -90,36 +92,60 @@ def test_view_is_zero_copy() -> None:
     assert view[0].item() == 42.0
 
 
-def test_manifest_encode_decode_and_validation() -> None:
-    tensors = _all_dtypes()
-    entries, sizes = plan_buckets(tensors, 128)
-    m = Manifest(
+def _manifest(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> Manifest:
+    entries, sizes = plan_buckets(tensors, bucket_bytes)
+    return Manifest(
         version=7,
-        tensors=entries,
+        tensors=[ManifestTensor(e.name, e.dtype, e.shape, [PieceEntry(e.bucket, e.offset, e.nbytes, 99)])
+                 for e in entries],
         buckets=[BucketEntry(i, s, 1234 + i) for i, s in enumerate(sizes)],
         transport="redis",
         checksum="xxh3_64",
-    )
+        full_version=7,
+    )  # fmt: skip
+
+
+def test_manifest_encode_decode_and_validation() -> None:
+    tensors = _all_dtypes()
+    m = _manifest(tensors, 128)
     back = Manifest.decode(m.encode())
     assert back == m
-    assert back.total_bytes == sum(sizes) and back.num_buckets == len(sizes)
+    assert back.total_bytes == sum(b.nbytes for b in m.buckets) and back.num_buckets == len(m.buckets)
 
     bad = Manifest.decode(m.encode())
-    bad.tensors[0].nbytes += 1
+    bad.tensors[0].pieces[0].nbytes += 1
     with pytest.raises(ManifestError, match="bytes"):
         Manifest.decode(bad.encode())
     bad = Manifest.decode(m.encode())
-    bad.tensors[-1].offset = bad.buckets[bad.tensors[-1].bucket].nbytes
+    last = bad.tensors[-1].pieces[0]
+    last.offset = bad.buckets[last.bucket].nbytes
     with pytest.raises(ManifestError, match="outside its bucket"):
         Manifest.decode(bad.encode())
     bad = Manifest.decode(m.encode())
     bad.tensors[0].dtype = "float128"
     with pytest.raises(ManifestError, match="unknown dtype"):
         Manifest.decode(bad.encode())
+    bad = Manifest.decode(m.encode())
+    bad.tensors[0].pieces[0].encoding = "xor-zstd"
+    with pytest.raises(ManifestError, match="a full version stores raw pieces"):
+        Manifest.decode(bad.encode())
     with pytest.raises(ManifestError, match="malformed"):
-        Manifest.decode(b"\x81\xa6schema\x01")
+        Manifest.decode(b"\x81\xa6schema\x02")
     with pytest.raises(ManifestError):
         Manifest.decode(b"not msgpack at all")
+
+
+def test_manifest_pieces_must_tile_their_tensor() -> None:
+    w = ManifestTensor("w", "float32", (4, 6), [PieceEntry(0, 0, 32, 1, 1, 0, 2), PieceEntry(0, 64, 32, 2, 1, 2, 2)])
+    m = Manifest(version=1, tensors=[w], buckets=[BucketEntry(0, 160)], transport="redis", checksum="xxh3_64",
+                 full_version=1)  # fmt: skip
+    with pytest.raises(ManifestError, match="pieces cover 4 of 6 along dimension 1"):
+        m.validate()
+    w.pieces.append(PieceEntry(0, 0, 0, 3, 1, 5, 2, "same"))
+    with pytest.raises(ManifestError, match="do not tile"):
+        m.validate()
+    w.pieces[-1] = PieceEntry(0, 128, 32, 3, 1, 4, 2)
+    m.validate()
 
 
 def test_checksums_detect_one_flipped_bit() -> None:
