@@ -125,6 +125,11 @@ class Names:
         """Sorted set of reader leases on a version (member = reader id, score = lease expiry in ms)."""
         return self.key("weights", version, "readers")
 
+    def weights_relays(self, version: int) -> str:
+        """Hash of the peers holding or receiving a version over the ``peer://`` transport (peer id -> JSON
+        entry: addresses, parent, depth, progress, expiry; see :mod:`async_rl.peer.topology`)."""
+        return self.key("weights", version, "relays")
+
     @property
     def weights_staging(self) -> str:
         """Hash of versions being written (version -> bucket count), so a restarted publisher can clean them."""

@@ -41,7 +41,7 @@ MAX_BUCKET_BYTES = 512 << 20
 PART_BYTES = 256 << 20
 # Parts per bucket: 16 GiB buckets at most, and a bounded list of keys to delete per bucket.
 MAX_PARTS = 64
-SCHEMES = ("redis", "rediss", "shm")
+SCHEMES = ("redis", "rediss", "shm", "peer")
 """URL schemes of the bucket transports: each names one explicitly (see :func:`make_transport`)."""
 
 
@@ -65,7 +65,9 @@ class TransportConfig:
     """Where bucket bytes go, chosen by the URL's scheme (:data:`SCHEMES`): '' is the run's own Redis;
     ``redis://host:port/db`` another Redis (works across machines; ``rediss://`` over TLS, ``user:password@``
     for an ACL user, ``?ssl_ca_certs=ca.pem`` for a private CA); ``shm:///dev/shm`` files under that tmpfs
-    directory (one host). Any other scheme is refused."""
+    directory (one host); ``peer://0.0.0.0:0?fanout=2`` buckets served over TCP by whoever holds them, the
+    publisher and then the generators themselves (:mod:`async_rl.peer`; many hosts). Any other scheme is
+    refused."""
     connections: int = 2
     """Redis connections (and worker threads) used for concurrent bucket reads/writes."""
     timeout_s: float = 60.0
@@ -78,6 +80,10 @@ class TransportConfig:
                              f"(got {redact_url(self.url)!r})")  # fmt: skip
         if scheme == "shm" and not urlparse(self.url).path:
             raise ValueError(f"transport.url {redact_url(self.url)!r} names no directory (shm:///dev/shm)")
+        if scheme == "peer":
+            from async_rl.peer.config import parse_peer_url  # urllib only: configs stay light
+
+            parse_peer_url(self.url)
         if self.connections < 1:
             raise ValueError("transport.connections must be >= 1")
         if self.timeout_s <= 0:
@@ -121,6 +127,10 @@ def make_transport(cfg: TransportConfig, redis_url: str, names: Names) -> Bucket
         return RedisTransport(url, names, connections=cfg.connections, timeout_s=cfg.timeout_s)
     if scheme == "shm":
         return SharedMemoryTransport(names, root=urlparse(url).path)
+    if scheme == "peer":
+        from async_rl.peer.transport import PeerTransport  # imports this module: loaded on use
+
+        return PeerTransport(url, redis_url, names, timeout_s=cfg.timeout_s)
     raise ValueError(f"transport: no transport for scheme {scheme!r} of {redact_url(url)!r}; known: {list(SCHEMES)}")
 
 
