@@ -217,8 +217,12 @@ async def _run(args: argparse.Namespace) -> int:
             if procs[0].poll() is not None:
                 outcome = "learner finished" if procs[0].returncode == 0 else f"learner failed ({procs[0].returncode})"
                 break
-            if all(p.poll() is not None for p in procs[1:]):
-                outcome = "all generators exited"
+            if all(p.poll() is not None for p in procs[1:]):  # the run ended (they leave first), or they failed
+                try:
+                    await asyncio.wait_for(asyncio.to_thread(procs[0].wait), timeout=60)
+                    outcome = "learner finished" if procs[0].returncode == 0 else f"learner failed ({procs[0].returncode})"
+                except TimeoutError:
+                    outcome = "all generators exited"
                 break
     finally:
         _stop(procs, timeout_s=30.0)
