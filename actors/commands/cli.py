@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "backends": ("actors.commands.bench.backends:main", "learner backend tokens/s and MFU (Megatron vs torch, GPU)"),
     "loop": ("actors.commands.bench.loop:main", "the whole loop with real processes, N steps, a summary JSON (GPU too)"),
     "staleness": ("actors.commands.bench.staleness:main", "learning vs exact staleness S, per off-policy method (CPU)"),
+    "publish": ("actors.commands.bench.publish:main", "training loop waiting on weight publishing: blocking vs background + deltas"),
 }
 
 

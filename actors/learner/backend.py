@@ -82,6 +82,12 @@ class TrainingBackend(abc.ABC):
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Current weights in Hugging Face names as contiguous CPU tensors (main rank; others yield nothing)."""
 
+    def snapshot_source(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights in Hugging Face names where they live (GPU tensors allowed), for a snapshot that copies them
+        at once (:mod:`async_rl.weights.snapshot`: pinned buffers, a side stream); valid until the next
+        :meth:`train_step`. Default: :meth:`export_weights`."""
+        return self.export_weights()
+
     @abc.abstractmethod
     def save(self, directory: Path) -> None:
         """Save model and optimizer state under ``directory``: after :meth:`load`, training continues bit for bit."""

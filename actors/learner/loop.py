@@ -511,8 +511,8 @@ class Learner:
         t0 = time.monotonic()
         version = self.state.version
         if wait:
-            await self._weights.flush(version, self.backend.export_weights)
-        elif not await self._weights.offer(version, self.backend.export_weights):
+            await self._weights.flush(version, self.backend.snapshot_source)
+        elif not await self._weights.offer(version, self.backend.snapshot_source):
             log.debug("weights v%d skipped: v%s is still going out", version, self._weights.inflight_version)
         self._last_publish_s = time.monotonic() - t0
 

@@ -224,13 +224,16 @@ class TorchBackend(TrainingBackend):
         return StepResult(metrics=metrics, grad_norm=grad_norm, num_tokens=num_tokens)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.snapshot_source():
+            yield name, tensor.to("cpu").contiguous()
+
+    def snapshot_source(self) -> Iterator[tuple[str, torch.Tensor]]:
         state = {k: v.detach() for k, v in self.model.state_dict().items()}
         if self.config.export_format == "checkpoint":
             from transformers.core_model_loading import revert_weight_conversion
 
             state = revert_weight_conversion(self.model, state)  # type: ignore[arg-type]
-        for name, tensor in state.items():
-            yield name, tensor.to("cpu").contiguous()
+        yield from state.items()
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
