@@ -1,0 +1,523 @@
+"""``async-rl bench fanout``: one weight version to 1-16 generator hosts, simulated with network namespaces.
+
+Each host is a Linux network namespace (``arlfo-h<k>``) whose ``eth0`` is one end of a veth pair; the other
+end is a port of a bridge in a switch namespace (``arlfo-sw``); both ends of every link are shaped by netem
+(``--link-gbps`` each way, ``--link-ms`` each way). Host 0 runs Valkey and the publisher (a real
+:class:`WeightPublisher`); hosts 1..16 run one generator process each (a real :class:`WeightReader` over the
+real transport). A round publishes one version of a synthetic model (``--model-gb``, uint8 tensors of
+``--bucket-mb``), then tells N generators to fetch it at once; it ends when every one of them has applied it:
+received, every bucket checksum-verified by the reader, and every tensor hashed again against the publisher's
+own digests. Modes: ``redis`` (buckets in the one Valkey), ``direct`` (``peer://``, every generator pulls from
+the publisher), ``relay`` (``peer://``, the publisher feeds ``--publisher-fanout`` peers and each generator
+``--fanout`` more). Bytes sent per host are the ``tx`` counters of its link (headers included).
+``--kill-relay`` adds a relay round in which the publisher's first child is SIGKILLed when it holds a third of
+the buckets. Needs root (namespaces, veth, tc); every namespace and process it makes is removed at the end,
+and leftovers of an earlier run (names ``arlfo-*``) at the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+NS_PREFIX = "arlfo-"
+SWITCH_NS = NS_PREFIX + "sw"
+SUBNET = "10.77.0"
+REDIS_PORT = 6379
+MODES = ("redis", "direct", "relay")
+DEFAULT_HOSTS = (1, 2, 4, 8, 16)
+# Per generator the model is held once, plus the publisher's tensors and peer copy and Valkey's copy.
+MEMORY_SLACK = 1.3
+
+
+def _parse(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--model-gb", type=float, default=0.5, help="synthetic model size in GB (default 0.5: fits "
+                    "16 generator copies in this machine's memory)")  # fmt: skip
+    ap.add_argument("--bucket-mb", type=int, default=16, help="bucket size in MiB (the relay forwards per bucket)")
+    ap.add_argument("--link-gbps", type=float, default=10.0, help="rate of every link, each way")
+    ap.add_argument("--link-ms", type=float, default=0.2, help="delay of every link, each way")
+    ap.add_argument("--hosts", default=",".join(map(str, DEFAULT_HOSTS)), help="generator host counts to run")
+    ap.add_argument("--modes", default=",".join(MODES), help="modes to run (redis, direct, relay)")
+    ap.add_argument("--fanout", type=int, default=1, help="children per generator in relay mode (1: a chain)")
+    ap.add_argument("--publisher-fanout", type=int, default=1, help="peers the publisher serves in relay mode")
+    ap.add_argument("--kill-relay", action="store_true", help="add a relay round that kills a relay mid-transfer")
+    ap.add_argument("--timeout-s", type=float, default=300.0, help="limit for one round")
+    ap.add_argument("--worker", choices=("publisher", "generator"), help=argparse.SUPPRESS)
+    ap.add_argument("--redis-url", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return args
+    try:
+        args.host_counts = sorted({int(x) for x in args.hosts.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"--hosts must be comma-separated integers, got {args.hosts!r}")
+    if not args.host_counts or min(args.host_counts) < 1 or max(args.host_counts) > 64:
+        ap.error("--hosts: each count must be in [1, 64]")
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.mode_list if m not in MODES]
+    if bad or not args.mode_list:
+        ap.error(f"--modes: unknown {bad}; known {list(MODES)}")
+    if args.model_gb <= 0 or not 0 < args.bucket_mb <= 512:
+        ap.error("--model-gb must be > 0 and --bucket-mb in (0, 512]")
+    if args.link_gbps <= 0 or args.link_ms < 0:
+        ap.error("--link-gbps must be > 0 and --link-ms >= 0")
+    if args.fanout < 1 or args.publisher_fanout < 1:
+        ap.error("--fanout and --publisher-fanout must be >= 1")
+    return args
+
+
+# ---- namespaces ------------------------------------------------------------------------------
+
+
+def _run(*cmd: str) -> None:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr.strip() or out.stdout.strip()}")
+
+
+def _host_ns(k: int) -> str:
+    return f"{NS_PREFIX}h{k}"
+
+
+def _addr(k: int) -> str:
+    return f"{SUBNET}.{k + 1}"
+
+
+def cleanup_namespaces() -> list[str]:
+    """Kill what runs in ``arlfo-*`` namespaces (left by a run of this bench) and delete them; returns their names."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    stale = [line.split()[0] for line in out.splitlines() if line.startswith(NS_PREFIX)]
+    for ns in stale:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+    for ns in stale:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    for k in range(80):  # a veth end left in the root namespace by a run killed mid-setup
+        subprocess.run(["ip", "link", "del", f"{NS_PREFIX}p{k}"], capture_output=True)
+    return stale
+
+
+def _shape(ns: str, dev: str, gbps: float, delay_ms: float) -> str:
+    """Shape one end of a link: netem (rate and delay) where the kernel has it, else tbf (rate only; the kernel
+    was built without CONFIG_NET_SCH_NETEM, and no other qdisc here can delay). Returns the qdisc used."""
+    netem = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "rate", f"{gbps}gbit",
+                            "delay", f"{delay_ms}ms", "limit", "100000"], capture_output=True, text=True)  # fmt: skip
+    if netem.returncode == 0:
+        return "netem"
+    # Burst: two timer ticks of traffic at the rate (tbf needs at least one, 1.25 MB at 10 Gbit/s and HZ=1000).
+    burst = max(int(gbps * 1e9 / 8 / 1000 * 2), 64 << 10)
+    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{gbps}gbit", "burst", str(burst),
+         "latency", "50ms")  # fmt: skip
+    return "tbf"
+
+
+def setup_namespaces(num_hosts: int, gbps: float, delay_ms: float) -> str:
+    """Host namespaces 0..num_hosts-1 on one bridge, every link shaped both ways; returns the qdisc used."""
+    qdiscs = set()
+    _run("ip", "netns", "add", SWITCH_NS)
+    _run("ip", "-n", SWITCH_NS, "link", "add", "br0", "type", "bridge")
+    _run("ip", "-n", SWITCH_NS, "link", "set", "br0", "up")
+    for k in range(num_hosts):
+        ns, port = _host_ns(k), f"{NS_PREFIX}p{k}"
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", port + "h", "type", "veth", "peer", "name", port)
+        _run("ip", "link", "set", port + "h", "netns", ns)
+        _run("ip", "-n", ns, "link", "set", port + "h", "name", "eth0")
+        _run("ip", "link", "set", port, "netns", SWITCH_NS)
+        _run("ip", "-n", SWITCH_NS, "link", "set", port, "master", "br0", "up")
+        _run("ip", "-n", ns, "addr", "add", f"{_addr(k)}/24", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        qdiscs.add(_shape(ns, "eth0", gbps, delay_ms))
+        qdiscs.add(_shape(SWITCH_NS, port, gbps, delay_ms))
+    return "+".join(sorted(qdiscs))
+
+
+def link_tx_bytes(num_hosts: int) -> list[int]:
+    """Bytes each host has sent (the switch port's rx counter of its link)."""
+    out = subprocess.run(["ip", "-n", SWITCH_NS, "-s", "-j", "link", "show"], capture_output=True, text=True)
+    by_name = {d["ifname"]: d["stats64"]["rx"]["bytes"] for d in json.loads(out.stdout)}
+    return [int(by_name[f"{NS_PREFIX}p{k}"]) for k in range(num_hosts)]
+
+
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat") as fh:
+        vals = [int(x) for x in fh.readline().split()[1:]]
+    return sum(vals), vals[3] + vals[4]
+
+
+# ---- workers (one process per host) ----------------------------------------------------------
+
+
+async def _lines() -> Any:
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            return
+        yield json.loads(line)
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def _publisher_worker(args: argparse.Namespace) -> None:
+    import redis.asyncio as aioredis
+    import torch
+    import xxhash
+
+    from async_rl.names import Names
+    from async_rl.transport import TransportConfig, make_transport
+    from async_rl.weights import PublisherConfig, WeightPublisher
+
+    r = aioredis.Redis.from_url(args.redis_url)
+    tensors: dict[str, torch.Tensor] = {}
+    digests: dict[str, int] = {}
+    state: dict[str, Any] = {}
+    _reply({"ready": True})
+    async for cmd in _lines():
+        kind = cmd["cmd"]
+        if kind == "model":
+            tensors.clear()
+            g = torch.Generator().manual_seed(cmd["seed"])
+            left, i = cmd["model_bytes"], 0
+            while left > 0:
+                n = min(left, cmd["tensor_bytes"])
+                tensors[f"layers.{i}.weight"] = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+                left, i = left - n, i + 1
+            digests = {k: xxhash.xxh3_64_intdigest(t.numpy()) for k, t in tensors.items()}
+            _reply({"digests": digests})
+        elif kind == "publish":
+            names = Names(prefix=cmd["prefix"])
+            transport = make_transport(TransportConfig(url=cmd["url"]), args.redis_url, names)
+            pub = WeightPublisher(r, transport, names, PublisherConfig(
+                bucket_bytes=cmd["bucket_bytes"], keep_versions=1, background=False, delta=False))  # fmt: skip
+            t0 = time.perf_counter()
+            m = await pub.publish(tensors, cmd["version"])
+            state.update(names=names, transport=transport, version=cmd["version"])
+            _reply({"publish_s": time.perf_counter() - t0, "num_buckets": m.num_buckets, "total_bytes": m.total_bytes})
+        elif kind == "relays":
+            raw = await r.hgetall(state["names"].weights_relays(state["version"]))
+            _reply({"relays": {k.decode(): json.loads(v) for k, v in raw.items()}})
+        elif kind == "finish":
+            transport = state.pop("transport")
+            sent = getattr(transport, "bytes_sent", 0)
+            peer_id = getattr(transport, "peer_id", "")
+            await transport.close()
+            keys = [k async for k in r.scan_iter(match=state["names"].all_key_pattern(), count=1000)]
+            if keys:
+                await r.delete(*keys)
+            _reply({"bytes_sent": sent, "peer_id": peer_id})
+    await r.aclose()
+
+
+async def _generator_worker(args: argparse.Namespace) -> None:
+    import gc
+
+    import redis.asyncio as aioredis
+    import xxhash
+
+    from async_rl.names import Names
+    from async_rl.transport import TransportConfig, make_transport
+    from async_rl.weights import WeightReader
+    from async_rl.weights.config import ReaderConfig
+
+    r = aioredis.Redis.from_url(args.redis_url)
+    state: dict[str, Any] = {}
+    _reply({"ready": True})
+    async for cmd in _lines():
+        if cmd["cmd"] == "fetch":
+            names = Names(prefix=cmd["prefix"])
+            transport = make_transport(TransportConfig(url=cmd["url"]), args.redis_url, names)
+            state["transport"] = transport
+            reader = WeightReader(r, transport, names, ReaderConfig(prefetch_buckets=2))
+            try:
+                fetched = await reader.fetch(cmd["version"])
+            except Exception as exc:  # reported to the driver, which fails the round with it
+                _reply({"error": repr(exc)})
+                continue
+            applied_at = time.time()
+            digests = cmd["digests"]
+            exact = all(xxhash.xxh3_64_intdigest(t.numpy()) == digests[k] for k, t in fetched.tensors.items())
+            exact = exact and fetched.tensors.keys() == digests.keys()
+            del fetched
+            _reply({"applied_at": applied_at, "bit_exact": exact,
+                    "reattaches": getattr(transport, "num_reattaches", 0),
+                    "corrupt_refused": getattr(transport, "num_corrupt", 0)})  # fmt: skip
+        elif cmd["cmd"] == "end":
+            transport = state.pop("transport", None)
+            sent = getattr(transport, "bytes_sent", 0)
+            if transport is not None:
+                await transport.close()
+            gc.collect()
+            _reply({"bytes_sent": sent})
+    await r.aclose()
+
+
+# ---- driver ----------------------------------------------------------------------------------
+
+
+class Worker:
+    """One worker process in a host namespace, spoken to in JSON lines."""
+
+    proc: asyncio.subprocess.Process
+    host: int
+
+    def __init__(self, proc: asyncio.subprocess.Process, host: int) -> None:
+        self.proc = proc
+        self.host = host
+
+    @classmethod
+    async def start(cls, host: int, role: str, redis_url: str, log_dir: Path) -> Worker:
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), OMP_NUM_THREADS="1")
+        log = open(log_dir / f"{role}-{host}.log", "wb")  # noqa: SIM115 - the process owns it
+        proc = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", _host_ns(host), sys.executable, "-m", "actors.commands.bench.fanout",
+            "--worker", role, "--redis-url", redis_url,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, limit=64 << 20,
+        )  # fmt: skip
+        log.close()
+        return cls(proc, host)
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def recv(self, timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        if not line:
+            raise RuntimeError(f"worker on host {self.host} exited (rc {self.proc.returncode}); see its log")
+        return dict(json.loads(line))
+
+    async def ask(self, obj: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        await self.send(obj)
+        return await self.recv(timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+
+async def _round(
+    mode: str, n: int, args: argparse.Namespace, pub: Worker, gens: list[Worker], digests: dict[str, int],
+    version: int, kill: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    prefix = f"fanout-{mode}-{n}-{uuid.uuid4().hex[:6]}"
+    if mode == "redis":
+        pub_url, gen_urls = "", ["" for _ in range(n)]
+    elif mode == "direct":
+        pub_url = f"peer://{_addr(0)}:0?fanout={n}"
+        gen_urls = [f"peer://{_addr(k)}:0?fanout=0" for k in range(1, n + 1)]
+    else:
+        pub_url = f"peer://{_addr(0)}:0?fanout={args.publisher_fanout}"
+        gen_urls = [f"peer://{_addr(k)}:0?fanout={args.fanout}" for k in range(1, n + 1)]
+    published = await pub.ask({"cmd": "publish", "prefix": prefix, "url": pub_url, "version": version,
+                               "bucket_bytes": args.bucket_mb << 20}, args.timeout_s)  # fmt: skip
+    tx0, cpu0 = link_tx_bytes(max(args.host_counts) + 1), _cpu_times()
+    t0 = time.time()
+    for w, url in zip(gens[:n], gen_urls, strict=True):
+        await w.send({"cmd": "fetch", "prefix": prefix, "url": url, "version": version, "digests": digests})
+    killed: dict[str, Any] | None = None
+    if kill:
+        killed = await _kill_first_relay(pub, gens[:n], published["num_buckets"], t0)
+    survivors = [w for w in gens[:n] if w.proc.returncode is None and (killed is None or w.host != killed["host"])]
+    replies = await asyncio.gather(*(w.recv(args.timeout_s) for w in survivors))
+    t_end = time.time()
+    errors = [rep["error"] for rep in replies if "error" in rep]
+    if errors:
+        raise RuntimeError(f"{mode} N={n}: a generator failed: {errors[0]}")
+    cpu1 = _cpu_times()
+    tx1 = link_tx_bytes(max(args.host_counts) + 1)
+    ended = await asyncio.gather(*(w.ask({"cmd": "end"}, args.timeout_s) for w in survivors))
+    fin = await pub.ask({"cmd": "finish"}, args.timeout_s)
+    sent = [b - a for a, b in zip(tx0, tx1, strict=True)]
+    applied = [rep["applied_at"] - t0 for rep in replies]
+    out: dict[str, Any] = {
+        "all_applied_s": round(max(applied), 3),
+        "first_applied_s": round(min(applied), 3),
+        "publisher_bytes": sent[0],
+        "max_peer_bytes": max(sent[w.host] for w in survivors),
+        "publisher_copies": round(sent[0] / published["total_bytes"], 3),
+        "publisher_payload_bytes": fin["bytes_sent"] if mode != "redis" else None,
+        "bit_exact": all(rep["bit_exact"] for rep in replies),
+        "reattaches": sum(rep["reattaches"] for rep in replies),
+        "cpu_busy": round(1 - (cpu1[1] - cpu0[1]) / max(1, cpu1[0] - cpu0[0]), 3),
+        "round_s": round(t_end - t0, 3),
+        "publish_s": round(published["publish_s"], 3),
+    }
+    del ended
+    if killed is not None:
+        out["killed"] = killed
+        out["survivors"] = len(survivors)
+        out["survivor_reattaches"] = {str(w.host): rep["reattaches"] for w, rep in zip(survivors, replies, strict=True)}
+    return out
+
+
+async def _kill_first_relay(pub: Worker, gens: list[Worker], num_buckets: int, t0: float) -> dict[str, Any]:
+    """SIGKILL the publisher's child once it holds a third of the buckets and feeds a child of its own."""
+    by_addr = {_addr(w.host): w for w in gens}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        relays = (await pub.ask({"cmd": "relays"}, 10))["relays"]
+        pub_ids = [pid for pid, e in relays.items() if e["depth"] == 0]
+        for pid, e in relays.items():
+            has_child = any(c["parent"] == pid for c in relays.values())
+            if pub_ids and e["parent"] in pub_ids and e["done"] == 0 and e["have"] >= num_buckets // 3 and has_child:
+                victim = by_addr[e["tcp"].rpartition(":")[0]]
+                victim.kill()
+                await victim.proc.wait()
+                return {"host": victim.host, "at_s": round(time.time() - t0, 3), "had_buckets": e["have"],
+                        "of_buckets": num_buckets}  # fmt: skip
+        await asyncio.sleep(0.005)
+    raise RuntimeError("--kill-relay: no relay reached a third of the buckets within 60 s")
+
+
+def _check_root() -> str | None:
+    if os.geteuid() != 0:
+        return "async-rl bench fanout needs root (network namespaces, veth links, tc); run it as root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"async-rl bench fanout needs the '{tool}' command (iproute2)"
+    return None
+
+
+async def _drive(args: argparse.Namespace) -> dict[str, Any]:
+    from async_rl.servers import valkey_binary
+
+    num_hosts = max(args.host_counts) + 1
+    model_bytes = int(args.model_gb * 1e9)
+    with open("/proc/meminfo") as fh:
+        avail = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable"))
+    need = int((max(args.host_counts) + 3) * model_bytes * MEMORY_SLACK)
+    if need > avail:
+        raise SystemExit(f"async-rl bench fanout: {max(args.host_counts)} generators x {args.model_gb} GB needs about "
+                         f"{need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available; lower --model-gb or --hosts")  # fmt: skip
+    stale = cleanup_namespaces()
+    workers: list[Worker] = []
+    valkey: subprocess.Popen | None = None
+    log_dir = Path(f"/tmp/async-rl-fanout-{os.getpid()}")
+    log_dir.mkdir(exist_ok=True)
+    results: dict[str, dict[str, Any]] = {m: {} for m in args.mode_list}
+    fault: dict[str, Any] | None = None
+    qdisc = ""
+    try:
+        qdisc = setup_namespaces(num_hosts, args.link_gbps, args.link_ms)
+        valkey = subprocess.Popen(
+            ["ip", "netns", "exec", _host_ns(0), str(valkey_binary()), "--bind", _addr(0), "--port", str(REDIS_PORT),
+             "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        redis_url = f"redis://{_addr(0)}:{REDIS_PORT}/0"
+        pub = await Worker.start(0, "publisher", redis_url, log_dir)
+        workers.append(pub)
+        gens = [await Worker.start(k, "generator", redis_url, log_dir) for k in range(1, num_hosts)]
+        workers += gens
+        for w in workers:
+            await w.recv(120)
+        tensor_bytes = (args.bucket_mb << 20) - 64
+        digests = (await pub.ask({"cmd": "model", "seed": 1, "model_bytes": model_bytes,
+                                  "tensor_bytes": tensor_bytes}, 300))["digests"]  # fmt: skip
+        version = 0
+        for mode in args.mode_list:
+            for n in args.host_counts:
+                version += 1
+                res = await _round(mode, n, args, pub, gens, digests, version)
+                results[mode][str(n)] = res
+                print(f"{mode:>6} N={n:>2}: all applied {res['all_applied_s']:.2f}s, publisher sent "
+                      f"{res['publisher_copies']:.2f} copies, max peer {res['max_peer_bytes'] / 1e6:.0f} MB, "
+                      f"cpu busy {res['cpu_busy']:.0%}", file=sys.stderr, flush=True)  # fmt: skip
+        if args.kill_relay:
+            n = max(args.host_counts)
+            version += 1
+            fault = await _round("relay", n, args, pub, gens, digests, version, kill=True)
+            base = results.get("relay", {}).get(str(n))
+            if base is not None:
+                fault["delay_vs_relay_s"] = round(fault["all_applied_s"] - base["all_applied_s"], 3)
+            print(f" fault N={n}: {fault}", file=sys.stderr, flush=True)
+    finally:
+        for w in workers:
+            w.kill()
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                await w.proc.wait()
+        if valkey is not None:
+            valkey.kill()
+            valkey.wait()
+        cleanup_namespaces()
+    one, many = str(min(args.host_counts)), str(max(args.host_counts))
+    relay = results.get("relay", {})
+    out: dict[str, Any] = {
+        "model_bytes": model_bytes,
+        "bucket_bytes": args.bucket_mb << 20,
+        "link_gbps": args.link_gbps,
+        "link_ms_each_way": args.link_ms,
+        "link_qdisc": qdisc,
+        "link_delay_applied": qdisc == "netem",
+        "fanout": args.fanout,
+        "publisher_fanout": args.publisher_fanout,
+        "results": results,
+        "relay_ratio_16_vs_1": (
+            round(relay[many]["all_applied_s"] / relay[one]["all_applied_s"], 3) if one in relay and many in relay
+            else None
+        ),
+        "relay_ratio_hosts": [int(one), int(many)],
+        "kill_relay": fault,
+        "applied_means": "received, every bucket checksum-verified by the WeightReader, every tensor re-hashed "
+                         "against the publisher's digests (bit_exact)",
+        "stale_namespaces_removed": stale,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_avg_1m_after": round(os.getloadavg()[0], 2),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        },
+    }
+    return out
+
+
+def main(argv: list[str] | None = None, prog: str = "async-rl bench fanout") -> int:
+    args = _parse(argv, prog)
+    if args.worker == "publisher":
+        asyncio.run(_publisher_worker(args))
+        return 0
+    if args.worker == "generator":
+        asyncio.run(_generator_worker(args))
+        return 0
+    problem = _check_root()
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    result = asyncio.run(_drive(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
