@@ -147,6 +147,15 @@ def render(snap: dict[str, Any]) -> Any:
                      f"{g['tokens_per_s']:.0f}", str(g["in_flight"]), f"{g['last_seen_s']}s",
                      str(g["pending_prompts"]), reclaim, style=style)  # fmt: skip
     parts: list[Any] = [head, fates, gens]
+    if "bytes" in learner:  # the learner's last published version (async_rl/weights/background.py)
+        pub = Table(title="weights publishing (last version out)")
+        for col in ("visible version", "kind", "bytes sent", "delta ratio", "snapshot -> visible", "versions skipped"):
+            pub.add_column(col, justify="right")
+        kind = "full" if float(learner.get("full", 0)) else "delta"
+        pub.add_row(str(learner.get("published_version", "-")), kind, f"{float(learner['bytes']) / 1e6:.2f} MB",
+                    f"{float(learner.get('delta_ratio', 1)):.3f}", f"{float(learner.get('publish_latency_s', 0)):.3f}s",
+                    str(learner.get("versions_skipped", 0)))  # fmt: skip
+        parts.insert(1, pub)
     s = snap["scaling"]
     if s:
         sc = Table(title=f"scaling signal (step {s['step']}): {s['reason']}")
