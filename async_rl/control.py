@@ -90,6 +90,10 @@ class Heartbeat:
     """The generator's ``prompts.reclaim_idle_ms``: when others take over what it holds if it vanishes."""
     started_at: float = 0.0
     """Unix time the generator started."""
+    generate_s: float = 0.0
+    """Seconds spent in the engine generating since start: its growth over wall time is the busy share."""
+    version_wait_s: float = 0.0
+    """Seconds spent waiting for the weight version a prompt asked for (synchronous mode) since start."""
     sent_at: float = field(default_factory=time.time)
     """Unix time of this heartbeat."""
 

@@ -100,6 +100,7 @@ class _PromptW(msgspec.Struct, forbid_unknown_fields=True):
     ids: _Arr
     meta: dict[str, Any] = {}
     s: dict[str, Any] | None = None
+    mv: int = -1
 
 
 class _Header(msgspec.Struct):
@@ -447,6 +448,9 @@ class PromptSpec:
     """msgpack-able extras the scorer needs (task name, reference answer...)."""
     sampling: Sampling | None = None
     """How to sample this prompt's group (the learner's); None: the generator's own default."""
+    min_version: int = -1
+    """The oldest weight version a generator may sample it with (-1: any). The learner sets it to its version in
+    synchronous mode (``staleness.sync``): generators wait for that version before they generate."""
 
     def encode(self) -> bytes:
         return encode_prompt(self)
@@ -466,7 +470,7 @@ def encode_prompt(spec: PromptSpec) -> bytes:
     try:
         sampling = None if spec.sampling is None else spec.sampling.to_wire()
         return _ENCODER.encode(_PromptW(v=PROMPT_SCHEMA_VERSION, pid=spec.prompt_id, ids=ids, meta=spec.metadata,
-                                        s=sampling))  # fmt: skip
+                                        s=sampling, mv=spec.min_version))  # fmt: skip
     except (TypeError, ValueError, OverflowError) as exc:
         raise WireError(f"metadata is not msgpack-encodable: {exc}") from exc
 
@@ -479,5 +483,7 @@ def decode_prompt(data: bytes | bytearray | memoryview) -> PromptSpec:
         sampling = None if w.s is None else Sampling.from_wire(w.s)
     except ValueError as exc:
         raise WireError(f"prompt {w.pid!r}: {exc}") from None
+    if w.mv < -1:
+        raise WireError(f"prompt {w.pid!r}: min_version must be >= -1, got {w.mv}")
     return PromptSpec(prompt_id=w.pid, prompt_ids=_from_wire(w.ids, "prompt_ids", (_I32,), 1), metadata=w.meta,
-                      sampling=sampling)  # fmt: skip
+                      sampling=sampling, min_version=w.mv)  # fmt: skip

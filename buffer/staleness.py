@@ -31,10 +31,16 @@ class StalenessConfig:
     """S: groups whose oldest token is more than S versions behind the learner are over the bound."""
     mode: Literal["drop", "keep"] = "drop"
     """``drop``: ack and count groups over the bound; ``keep``: train on them (TIS corrects) and count them."""
+    sync: bool = False
+    """Synchronous RL on the same processes (the baseline of ``async-rl bench async``): prompts are stamped with the
+    learner's version and generators sample them only with that version, so nothing is stale and nothing overlaps:
+    generators wait while the learner trains and publishes, the learner waits while they generate. Needs S = 0."""
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError("buffer.staleness.max_staleness must be >= 0")
+        if self.sync and self.max_staleness != 0:
+            raise ValueError(f"staleness.sync needs staleness.max_staleness=0, got {self.max_staleness}")
         if self.mode not in ("drop", "keep"):
             raise ValueError(f"buffer.staleness.mode must be 'drop' or 'keep', got {self.mode!r}")
 

@@ -24,6 +24,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "weights": ("actors.commands.bench.weights:main", "weight publish / fetch / swap-pause through the transport"),
     "backends": ("actors.commands.bench.backends:main", "learner backend tokens/s and MFU (Megatron vs torch, GPU)"),
     "fanout": ("actors.commands.bench.fanout:main", "one weight version to 1-16 simulated hosts: redis, direct, relay"),
+    "async": ("actors.commands.bench.sync_vs_async:main", "asynchronous vs synchronous RL to a reward, real processes"),
     "loop": ("actors.commands.bench.loop:main", "the whole loop with real processes, N steps, a summary JSON (GPU too)"),
     "staleness": ("actors.commands.bench.staleness:main", "learning vs exact staleness S, per off-policy method (CPU)"),
     "publish": ("actors.commands.bench.publish:main", "training loop waiting on weight publishing: blocking vs background + deltas"),

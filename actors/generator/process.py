@@ -64,6 +64,10 @@ class Generator:
     """Cleared while paused."""
     num_prompts: int
     num_tokens: int
+    generate_s: float
+    """Seconds spent in the engine's generate since start (heartbeats carry it: the busy share)."""
+    version_wait_s: float
+    """Seconds spent waiting for a prompt's ``min_version`` (synchronous mode) since start."""
     state: str
     _redis: aioredis.Redis | None
     _control: ControlPlane | None
@@ -90,6 +94,7 @@ class Generator:
         self._done = asyncio.Event()
         self.num_prompts = 0
         self.num_tokens = 0
+        self.generate_s = self.version_wait_s = 0.0
         self.state = "starting"
         self._redis = None
         self._control = None
@@ -229,6 +234,7 @@ class Generator:
             swap_pause_ms=self._engine.last_swap_pause_s * 1e3, reclaim_idle_ms=self.cfg.prompts.reclaim_idle_ms,
             interval_s=self.cfg.heartbeat_interval_s,
             fetch_s=self._sync.last_fetch.total_s if self._sync and self._sync.last_fetch else 0.0,
+            generate_s=self.generate_s, version_wait_s=self.version_wait_s,
         )  # fmt: skip
 
     async def _heartbeat_loop(self) -> None:
@@ -314,8 +320,21 @@ class Generator:
         return sp if sp.max_new_tokens else dataclasses.replace(sp, max_new_tokens=self._task.max_new_tokens)
 
     async def _generate(self, group: list[PromptEntry], params: SamplingParams) -> list[list[Completion]]:
+        """The group's completions; first, in synchronous mode, the weight version its prompts ask for (the weight
+        sync task fetches it; an abort cancels the wait with the generation)."""
         assert self._engine is not None
-        return await self._engine.generate([e.spec.prompt_ids for e in group], params)
+        need = max(e.spec.min_version for e in group)
+        if self._engine.version < need:
+            t0 = time.monotonic()
+            try:
+                await self._engine.wait_applied(need)
+            finally:
+                self.version_wait_s += time.monotonic() - t0
+        t0 = time.monotonic()
+        try:
+            return await self._engine.generate([e.spec.prompt_ids for e in group], params)
+        finally:
+            self.generate_s += time.monotonic() - t0
 
     def _record(self, entry: PromptEntry, completions: list[Completion], gen_s: float) -> GroupRecord:
         assert self._task is not None

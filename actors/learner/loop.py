@@ -279,17 +279,22 @@ class Learner:
         assert self._prompts is not None
         cfg = self.cfg
         assert self._reader is not None
+        # Held: groups read and not finished. Asynchronous, the batch being collected counts (its prompts are done
+        # with); synchronous, only trained steps waiting for their checkpoint, so the next batch's prompts go out
+        # once this step is trained, stamped with the version they will be trained at.
+        held = len(self._unacked) if cfg.staleness.sync else len(self._reader.in_flight)
         room = await self._prompts.capacity(cfg.staleness.max_staleness - cfg.admission_lag_versions, cfg.batch_groups,
-                                            held=len(self._reader.in_flight))  # fmt: skip
+                                            held=held)  # fmt: skip
         if room <= 0:
             return 0
         sampling = dataclasses.replace(cfg.sampling,
                                        max_new_tokens=cfg.sampling.max_new_tokens or self._task.max_new_tokens)  # fmt: skip
         start = self.state.prompts_issued
         specs = []
+        min_version = self.state.version if cfg.staleness.sync else -1  # sync: sampled with this version only
         for i in range(start, start + room):
             spec = self._task.prompt(i)
-            specs.append(dataclasses.replace(spec, sampling=sampling))
+            specs.append(dataclasses.replace(spec, sampling=sampling, min_version=min_version))
         await self._prompts.issue(specs, self.state.version)
         self.state.prompts_issued = start + room
         return room

@@ -119,13 +119,15 @@ class LearnerSignals:
 
     def fleet_metrics(self) -> dict[str, float]:
         """Figures of the generators for the step's metrics row: alive, tokens/s (each and together), the largest
-        swap pause and fetch time among the live ones."""
+        swap pause and fetch time among the live ones; and ``learner/wait_s``, how long this batch kept the learner
+        waiting for rollouts (its idle time)."""
         now, timeout_s = time.time(), self.cfg.scaling.heartbeat_timeout_s
         live = [h for h in self._beats.values() if now - h.sent_at < timeout_s and h.state != "stopping"]
         out = {"generators/alive": float(len(live)), "generators/lost": float(len(self._lost)),
                "generators/tokens_per_s": float(sum(h.tokens_per_s for h in live)),
                "generators/swap_pause_ms_max": max((h.swap_pause_ms for h in live), default=0.0),
-               "generators/fetch_s_max": max((h.fetch_s for h in live), default=0.0)}  # fmt: skip
+               "generators/fetch_s_max": max((h.fetch_s for h in live), default=0.0),
+               "learner/wait_s": self._waited_s}  # fmt: skip
         for h in live:
             out[f"generators/{h.generator_id}/tokens_per_s"] = float(h.tokens_per_s)
         return out

@@ -81,3 +81,9 @@ def test_config_errors_name_the_field():
         StalenessConfig(max_staleness=-1)
     with pytest.raises(ConfigError, match="mode must be one of"):
         from_dict(StalenessConfig, {"mode": "sometimes"})
+
+
+def test_synchronous_mode_needs_a_zero_bound() -> None:
+    assert StalenessConfig(max_staleness=0, sync=True).sync
+    with pytest.raises(ValueError, match="staleness.sync needs staleness.max_staleness=0, got 2"):
+        StalenessConfig(max_staleness=2, sync=True)

@@ -252,6 +252,16 @@ def test_prompt_spec_roundtrip_and_errors():
         wire.decode_prompt(msgspec.msgpack.encode(bad))
 
 
+def test_prompt_min_version_round_trips_and_is_checked():
+    spec = PromptSpec("p-1", np.array([5, 6], dtype=np.int32), min_version=7)
+    assert PromptSpec.decode(spec.encode()).min_version == 7
+    assert PromptSpec.decode(PromptSpec("p-2", np.array([5], dtype=np.int32)).encode()).min_version == -1
+    bad = msgspec.msgpack.decode(spec.encode())
+    bad["mv"] = -3
+    with pytest.raises(WireError, match="min_version must be >= -1, got -3"):
+        wire.decode_prompt(msgspec.msgpack.encode(bad))
+
+
 def test_sampling_on_the_wire_carries_the_token_mask_switch():
     off = Sampling(n=4, mask_special_tokens=False)
     assert Sampling.from_wire(off.to_wire()) == off and Sampling().mask_special_tokens

@@ -13,8 +13,10 @@ Summary fields: ``steps``, ``wall_s``, ``steps_per_s`` (after ``--warmup-steps``
 ``train_s`` (medians), ``publish_block_s`` / ``publish_block_frac`` (the loop's wait on publishing, when the
 learner reports it; else ``non_train_frac``: the share of each step interval not spent training),
 ``learner_tokens_per_s``, ``generator_tokens_per_s``, ``generator_fetch_s``, ``swap_pause_ms``,
-``reward_curve``, ``tokens_by_staleness``, ``peak_memory_gib`` (the learner's, GPU), ``tracebacks`` (lines
-in any process log; a clean run has none).
+``learner_idle_frac`` (time waiting for rollouts), ``generator_idle_frac`` (time not generating, from the
+heartbeats' ``generate_s``), ``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
+``peak_memory_gib`` (the learner's, GPU), ``tracebacks`` (lines in any process log; a clean run has none); with
+``--target``, ``wall_to_target_s`` and ``steps_to_target``.
 
 ``moe-107m`` is the GPU benchmark model of the publishing and Megatron issues: Qwen3-MoE, 8 layers, hidden
 512, 32 experts top-4 (expert FFN 256), the toy tokenizer (copy task): 107M parameters, 214 MB in bf16.
@@ -39,6 +41,10 @@ MODELS = ("tiny-moe", "small-moe", "moe-107m")
 LEARNER_DEFAULTS = ["task.name=copy", "batch_groups=32", "sampling.n=8", "checkpoint.every=10",
                     "metrics.wandb_mode=disabled", "staleness.max_staleness=2"]  # fmt: skip
 """The quickstart's batch (32 prompts x 8 samples) and staleness bound; wandb off (a benchmark, not a run)."""
+TARGET_METRIC = "reward/exact"
+TARGET_WINDOW = 5
+"""``--target`` is reached when the mean of the exact-match rate over this many steps reaches it (as the learner's
+early stop and the quickstart count it)."""
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
@@ -52,6 +58,8 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="learner and generators")
     p.add_argument("--model", default="tiny-moe", help=f"one of {', '.join(MODELS)}, or a model directory")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--target", type=float, default=0.0,
+                   help="stop once reward/exact (mean of 5 steps) reaches this; reports wall_to_target_s (0: off)")
     p.add_argument("--max-minutes", type=float, default=9.0, help="wall-clock limit")
     p.add_argument("--run-dir", type=Path, default=None, help="default runs/bench-loop-<time>")
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE", help="extra learner override")
@@ -86,6 +94,8 @@ def commands(args: argparse.Namespace, model: str, prefix: str, redis_url: str, 
     common = [f"run.prefix={prefix}", f"run.redis_url={redis_url}", f"run.nats_url={nats_url}"]
     learner = [*common, f"run.run_dir={run_dir}", *LEARNER_DEFAULTS, f"model.name={model}", f"backend={args.backend}",
                f"max_steps={args.steps}"]  # fmt: skip
+    if args.target:
+        learner += [f"target_reward={args.target}", f"target_metric={TARGET_METRIC}", f"target_window={TARGET_WINDOW}"]
     if args.backend == "torch":
         learner += [f"torch.device={args.device}", f"torch.lr={args.lr}",
                     f"torch.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}"]  # fmt: skip
@@ -107,8 +117,10 @@ def commands(args: argparse.Namespace, model: str, prefix: str, redis_url: str, 
     return learner_cmd, gens
 
 
-def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any], warmup: int) -> dict[str, Any]:
-    """The summary fields (module docstring) from the learner's step events and the generators' heartbeats."""
+def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any], warmup: int, t0: float,
+              target: float = 0.0) -> dict[str, Any]:  # fmt: skip
+    """The summary fields (module docstring) from the learner's step events and the generators' heartbeats;
+    ``t0``: when the processes were started (``wall_to_target_s`` counts from there)."""
     events = sorted(events, key=lambda e: e[1])
     steady = [e for e in events if e[1] > warmup]
     med = statistics.median
@@ -139,8 +151,24 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
     for key in ("loss/mem_peak_gib",):
         vals = col(key, events)
         out["peak_memory_gib"] = max(vals) if vals else None
-    out["reward_curve"] = [[s, round(m.get("reward", 0.0), 4), round(m.get("reward/exact", 0.0), 4)]
-                           for _, s, m in events]  # fmt: skip
+    out["reward_curve"] = [[s, round(t - t0, 2), round(m.get("reward", 0.0), 4), round(m.get(TARGET_METRIC, 0.0), 4)]
+                           for t, s, m in events]  # fmt: skip
+    if target:
+        exact = [m.get(TARGET_METRIC, 0.0) for _, _, m in events]
+        hit = next((i for i in range(TARGET_WINDOW - 1, len(exact))
+                    if statistics.fmean(exact[i - TARGET_WINDOW + 1 : i + 1]) >= target), None)  # fmt: skip
+        out["wall_to_target_s"] = round(events[hit][0] - t0, 2) if hit is not None else None
+        out["steps_to_target"] = events[hit][1] if hit is not None else None
+    if len(steady) >= 2 and col("learner/wait_s"):
+        span = steady[-1][0] - steady[0][0]
+        out["learner_idle_frac"] = min(1.0, sum(col("learner/wait_s")[1:]) / span) if span > 0 else None
+    busy = []
+    start = steady[0][0] if steady else None
+    for gen in sorted({b.generator_id for b in beats}):
+        mine = [b for b in beats if b.generator_id == gen and (start is None or b.sent_at >= start)]
+        if len(mine) >= 2 and mine[-1].sent_at > mine[0].sent_at:
+            busy.append((mine[-1].generate_s - mine[0].generate_s) / (mine[-1].sent_at - mine[0].sent_at))
+    out["generator_idle_frac"] = 1.0 - min(1.0, statistics.fmean(busy)) if busy else None
     hist: dict[str, float] = {}
     for _, _, m in events:
         for k, v in m.items():
@@ -176,10 +204,16 @@ def tracebacks(run_dir: Path) -> list[str]:
 
 def main(argv: list[str] | None = None, prog: str = "async-rl bench loop") -> int:
     args = parse_args(argv, prog)
-    return asyncio.run(_run(args))
+    summary = asyncio.run(run_loop(args))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "reward_curve"}, indent=1))
+    done = summary["steps"] >= args.steps or (args.target and summary.get("wall_to_target_s") is not None)
+    return 0 if done and not summary["tracebacks"] else 1
 
 
-async def _run(args: argparse.Namespace) -> int:
+async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the loop ``args`` (of :func:`parse_args`) describes; returns its summary."""
     from actors.commands.quickstart import _spawn, _stop
     from async_rl.control import ControlPlane, Heartbeat, LearnerProgress, Message
     from async_rl.names import Names
@@ -233,12 +267,10 @@ async def _run(args: argparse.Namespace) -> int:
         "model": args.model, "backend": args.backend, "device": args.device, "learner_nproc": args.learner_nproc,
         "generators": args.generators, "lr": args.lr, "learner_overrides": args.learner,
         "generator_overrides": args.generator, "outcome": outcome, "wall_s": round(time.time() - t0, 1),
-        **summarize(events, beats, args.warmup_steps), "tracebacks": tracebacks(run_dir), "run_dir": str(run_dir),
+        **summarize(events, beats, args.warmup_steps, t0, args.target), "tracebacks": tracebacks(run_dir),
+        "run_dir": str(run_dir),
     }  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(summary, indent=1))
-    print(json.dumps({k: v for k, v in summary.items() if k != "reward_curve"}, indent=1))
-    return 0 if summary["steps"] >= args.steps and not summary["tracebacks"] else 1
+    return summary
 
 
 def _machine(device: str) -> str:

@@ -1,0 +1,112 @@
+"""``async-rl bench async``: asynchronous against synchronous RL, end to end, with real processes.
+
+The quickstart's task, model and recipe, run to an exact-match rate of ``--target`` (mean of 5 steps) once
+synchronously and once per staleness bound S, one after the other on the same machine, each with fresh embedded
+servers, one learner and ``--generators`` generators (``async-rl bench loop`` runs each):
+
+* ``sync``: ``staleness.sync=true`` with S = 0. Every prompt carries the learner's version and generators sample it
+  only with that version: nothing is stale, nothing is thrown away, and nothing overlaps (the generators wait while
+  the learner trains and publishes; the learner waits while they generate). The synchronous baseline of the
+  papers, on the same processes.
+* ``async[S]``: the default recipe with admission bound S (the generators run up to S versions ahead).
+
+JSON: ``sync`` and ``async[S]`` (S as a string key), each with ``wall_to_0_9_s`` (from process start to the step
+that completes the 5-step window, or null), ``steps_to_0_9``, ``learner_tokens_per_s``, ``generator_tokens_per_s``,
+``learner_idle_frac`` (time waiting for rollouts), ``generator_idle_frac`` (time not generating), plus
+``best_async_vs_sync`` (the smallest asynchronous wall time over the synchronous one; < 1 is faster) and
+``machine``. Each run's full ``bench loop`` summary is kept under ``runs``.
+
+    async-rl bench async --json docs/benchmarks/async-cpu.json                       # this CPU machine
+    async-rl bench async --json out.json --device cuda --generators 2                # a GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+FIELDS = ("wall_to_0_9_s", "steps_to_0_9", "learner_tokens_per_s", "generator_tokens_per_s", "learner_idle_frac",
+          "generator_idle_frac")  # fmt: skip
+OWN_KEYS = ("model.name", "task.name", "torch.device", "metrics.wandb_mode", "staleness.max_staleness", "torch.lr",
+            "target_metric", "target_reward", "checkpoint.every", "batch_groups", "sampling.n")  # fmt: skip
+"""Learner keys ``bench loop`` (or this bench) sets itself: the quickstart's values for them are not passed on."""
+
+
+def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--staleness", default="2,4,8", help="comma-separated S of the asynchronous runs")
+    p.add_argument("--generators", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--target", type=float, default=0.9, help="exact-match rate to reach (mean of 5 steps)")
+    p.add_argument("--max-steps", type=int, default=600, help="per run")
+    p.add_argument("--max-minutes", type=float, default=8.0, help="per run")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/bench-async"))
+    p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE", help="extra learner override (all runs)")
+    args = p.parse_args(argv)
+    try:
+        args.staleness = sorted({int(s) for s in args.staleness.split(",")})
+    except ValueError:
+        p.error(f"--staleness must be comma-separated integers, got {args.staleness!r}")
+    if not args.staleness or min(args.staleness) < 1:
+        p.error("--staleness values must be >= 1 (S = 0 is the synchronous run)")
+    if not 0 < args.target <= 1:
+        p.error("--target must be in (0, 1]")
+    return args
+
+
+def recipe() -> tuple[str, list[str]]:
+    """The quickstart's learning rate and its other recipe keys (schedule, ...), minus those the benches set."""
+    from actors.commands.quickstart import DEFAULT_LEARNER
+
+    lr = next(kv.split("=", 1)[1] for kv in DEFAULT_LEARNER if kv.startswith("torch.lr="))
+    return lr, [kv for kv in DEFAULT_LEARNER if kv.split("=", 1)[0] not in OWN_KEYS]
+
+
+def loop_argv(args: argparse.Namespace, name: str, staleness: list[str]) -> list[str]:
+    lr, extra = recipe()
+    argv = ["--json", str(args.run_dir / f"{name}.json"), "--run-dir", str(args.run_dir / name), "--steps",
+            str(args.max_steps), "--target", str(args.target), "--generators", str(args.generators), "--device",
+            args.device, "--lr", lr, "--max-minutes", str(args.max_minutes), "--warmup-steps", "3"]  # fmt: skip
+    for kv in [*extra, *staleness, *args.learner]:
+        argv += ["--learner", kv]
+    return argv
+
+
+def pick(summary: dict[str, Any]) -> dict[str, Any]:
+    out = {k: summary.get(k) for k in FIELDS if not k.endswith("0_9_s") and k != "steps_to_0_9"}
+    out["wall_to_0_9_s"] = summary.get("wall_to_target_s")
+    out["steps_to_0_9"] = summary.get("steps_to_target")
+    out["tokens_by_staleness"] = summary.get("tokens_by_staleness")
+    return out
+
+
+def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> int:
+    from actors.commands.bench import loop
+
+    args = parse_args(argv, prog)
+    runs: dict[str, dict[str, Any]] = {}
+    plans = [("sync", ["staleness.max_staleness=0", "staleness.sync=true", "admission_lag_versions=0"])]
+    plans += [(f"async-{s}", [f"staleness.max_staleness={s}"]) for s in args.staleness]
+    for name, staleness in plans:
+        largs = loop.parse_args(loop_argv(args, name, staleness), prog=f"{prog} ({name})")
+        print(f"== {name}: {' '.join(staleness)}", flush=True)
+        runs[name] = asyncio.run(loop.run_loop(largs))
+        r = runs[name]
+        print(f"   wall to {args.target}: {r.get('wall_to_target_s')} s in {r.get('steps_to_target')} steps; "
+              f"idle learner {r.get('learner_idle_frac')} generators {r.get('generator_idle_frac')}; "
+              f"tracebacks {len(r['tracebacks'])}", flush=True)  # fmt: skip
+    sync = pick(runs["sync"])
+    asyncs = {str(s): pick(runs[f"async-{s}"]) for s in args.staleness}
+    walls = [a["wall_to_0_9_s"] for a in asyncs.values() if a["wall_to_0_9_s"] is not None]
+    best = min(walls) / sync["wall_to_0_9_s"] if walls and sync["wall_to_0_9_s"] else None
+    out = {"bench": "async", "machine": runs["sync"]["machine"], "device": args.device, "generators": args.generators,
+           "target": args.target, "recipe": recipe()[1], "sync": sync, "async": asyncs, "best_async_vs_sync": best,
+           "runs": runs}  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
+    return 0 if best is not None and not any(r["tracebacks"] for r in runs.values()) else 1
