@@ -11,8 +11,10 @@ child runs :data:`_PICK_LUA`, which, atomically,
 - counts each peer's live children, and keeps peers with a free slot (``fanout``), that are not the caller's
   own descendants (it walks ``parent`` links: no cycles), that the caller did not exclude (unreachable,
   or sent a corrupt bucket);
-- prefers a peer on the caller's host, then one that holds the whole version, then the shallowest, then the
-  one holding most buckets; and records the choice as the caller's ``parent`` and ``depth``.
+- prefers a peer on the caller's host; then any generator over a publisher (depth 0: its uplink feeds only
+  children no generator can take, so it sends about one copy per version whatever the number of generators);
+  then one that holds the whole version, then the shallowest, then the one holding most buckets; and records
+  the choice as the caller's ``parent`` and ``depth``.
 
 With ``fanout`` 1 everywhere the version runs down a chain, each link at full speed; larger fan-outs give
 shallower trees whose links share each parent's uplink.
@@ -66,10 +68,10 @@ end
 local best, bkey = nil, nil
 for id, d in pairs(e) do
   if id ~= me and not ex[id] and (d.host == mine.host or (kids[id] or 0) < d.fanout) and not below_me(id) then
-    local key = {d.host == mine.host and 0 or 1, d.done == 1 and 0 or 1, d.depth, -d.have}
+    local key = {d.host == mine.host and 0 or 1, d.depth == 0 and 1 or 0, d.done == 1 and 0 or 1, d.depth, -d.have}
     local better = best == nil
     if not better then
-      for k = 1, 4 do
+      for k = 1, 5 do
         if key[k] ~= bkey[k] then better = key[k] < bkey[k] break end
       end
     end

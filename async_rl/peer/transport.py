@@ -77,6 +77,8 @@ class _Pull:
     thread: threading.Thread | None = None
     sock: socket.socket | None = None
     """The connection to the current source (shut down by :meth:`PeerTransport.close`)."""
+    failed_at: float = 0.0
+    """When the last source failed (monotonic; 0: none pending): the next bucket held ends the re-attach."""
 
 
 def _manifest_buckets(raw: bytes) -> tuple[str, list[int], list[int]]:
@@ -118,6 +120,8 @@ class PeerTransport(BucketTransport):
     """Attachments beyond the first of each pull (after a source failed, stalled or sent a corrupt bucket)."""
     num_corrupt: int
     """Buckets refused because their checksum did not match the manifest."""
+    reattach_s: list[float]
+    """Per re-attach: seconds from a source failing to the next bucket held from another."""
     _redis: redis.Redis
     _pulls: dict[int, _Pull]
     _lock: threading.Lock
@@ -131,6 +135,7 @@ class PeerTransport(BucketTransport):
         self.timeout_s = timeout_s
         self.connect_timeout_s = cfg.connect_timeout_s
         self.bytes_received = self.num_reattaches = self.num_corrupt = 0
+        self.reattach_s = []
         self._pulls = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -293,6 +298,8 @@ class PeerTransport(BucketTransport):
             if attaches > 1:
                 self.num_reattaches += 1
             tried.append(f"{source.peer_id}@{source.tcp}")
+            log.debug("weights v%d: %s pulls from %s (depth %d) from bucket %d", v, self.peer_id, source.peer_id,
+                      source.depth, index)  # fmt: skip
             start = index
             try:
                 index = self._stream_from(source, pull, index, loop)
@@ -308,6 +315,8 @@ class PeerTransport(BucketTransport):
                 log.warning("weights v%d: source %s at %s failed at bucket %d: %r; re-attaching", v,
                             source.peer_id, source.tcp, self._resume_at(v, n), exc)  # fmt: skip
                 exclude.add(source.peer_id)
+            if pull.failed_at == 0.0:
+                pull.failed_at = time.monotonic()
             index = self._resume_at(v, n)
             if index > start:
                 deadline = time.monotonic() + self.timeout_s
@@ -368,6 +377,9 @@ class PeerTransport(BucketTransport):
                 else:
                     bucket = self._receive_bucket(sock, nbytes, pull, index)
                 self.store.add(v, index, bucket)
+                if pull.failed_at:
+                    self.reattach_s.append(time.monotonic() - pull.failed_at)
+                    pull.failed_at = 0.0
                 self.topology.update(v, have=index + 1)
                 self._wake(pull, loop, index)
                 index += 1

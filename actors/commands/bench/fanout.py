@@ -262,7 +262,8 @@ async def _generator_worker(args: argparse.Namespace) -> None:
             del fetched
             _reply({"applied_at": applied_at, "bit_exact": exact,
                     "reattaches": getattr(transport, "num_reattaches", 0),
-                    "corrupt_refused": getattr(transport, "num_corrupt", 0)})  # fmt: skip
+                    "corrupt_refused": getattr(transport, "num_corrupt", 0),
+                    "reattach_s": getattr(transport, "reattach_s", [])})  # fmt: skip
         elif cmd["cmd"] == "end":
             transport = state.pop("transport", None)
             sent = getattr(transport, "bytes_sent", 0)
@@ -370,7 +371,10 @@ async def _round(
     if killed is not None:
         out["killed"] = killed
         out["survivors"] = len(survivors)
-        out["survivor_reattaches"] = {str(w.host): rep["reattaches"] for w, rep in zip(survivors, replies, strict=True)}
+        out["survivor_reattaches"] = {str(w.host): rep["reattaches"] for w, rep in zip(survivors, replies, strict=True)
+                                      if rep["reattaches"]}  # fmt: skip
+        out["reattach_s"] = [round(x, 3) for rep in replies for x in rep["reattach_s"]]
+        out["corrupt_refused"] = sum(rep["corrupt_refused"] for rep in replies)
     return out
 
 

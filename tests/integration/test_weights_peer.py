@@ -1,0 +1,225 @@
+"""The ``peer://`` transport against real servers and processes: a relay chain, a corrupt peer, a relay killed
+mid-transfer, a late joiner, and the network-namespace fan-out bench on a tiny configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+import torch
+import xxhash
+
+from async_rl.names import Names
+from async_rl.peer.store import Bucket, new_bucket_memory
+from async_rl.peer.topology import RelayEntry
+from async_rl.peer.transport import PeerTransport
+from async_rl.servers import ServerSet
+from async_rl.transport import TransportConfig, TransportError, make_transport
+from async_rl.weights import PublisherConfig, WeightPublisher, WeightReader
+
+REPO = Path(__file__).resolve().parents[2]
+BUCKET_BYTES = 64 << 10
+
+
+def _model(seed: int, num: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"layer.{i}.w": torch.randn(96, 160 + i, generator=g).to(torch.bfloat16) for i in range(num)}
+    out["head.int"] = torch.randint(-9, 9, (300, 7), generator=g).to(torch.int32)
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a
+    )
+
+
+def _peer(servers: ServerSet, names: Names, fanout: int, same_host: str = "tcp") -> PeerTransport:
+    t = make_transport(
+        TransportConfig(url=f"peer://127.0.0.1:0?fanout={fanout}&same_host={same_host}&ttl_s=5", timeout_s=20),
+        servers.redis_url, names,
+    )  # fmt: skip
+    assert isinstance(t, PeerTransport)
+    return t
+
+
+def _publisher(r: aioredis.Redis, t: PeerTransport, names: Names) -> WeightPublisher:
+    return WeightPublisher(r, t, names, PublisherConfig(bucket_bytes=BUCKET_BYTES, background=False, delta=False))
+
+
+@pytest.mark.parametrize("same_host", ["tcp", "fd"])
+async def test_relay_chain_is_bit_exact_and_the_publisher_sends_one_copy(
+    servers: ServerSet, names: Names, redis_client: aioredis.Redis, same_host: str
+) -> None:
+    src = _model(1)
+    pub_t = _peer(servers, names, fanout=1, same_host=same_host)
+    kids = [_peer(servers, names, fanout=1, same_host=same_host) for _ in range(3)]
+    try:
+        manifest = await _publisher(redis_client, pub_t, names).publish(src, 1)
+        assert manifest.num_buckets >= 4
+        got = await asyncio.gather(*(WeightReader(redis_client, k, names).fetch(1) for k in kids))
+        assert all(_same(src, f.tensors) for f in got)
+        if same_host == "tcp":  # the publisher feeds one peer (fan-out 1); the peers feed the others
+            assert pub_t.bytes_sent == manifest.total_bytes
+            assert sorted(k.topology.entries[1].depth for k in kids)[:2] == [1, 2]
+            assert sum(k.bytes_sent for k in kids) == 2 * manifest.total_bytes
+        else:  # one host: memfds handed over, no bytes sent
+            assert pub_t.bytes_sent == 0 and all(k.bytes_received == 0 for k in kids)
+    finally:
+        for t in [*kids, pub_t]:
+            await t.close()
+
+
+async def test_corrupt_bucket_from_a_peer_is_refused_and_fetched_from_another(
+    servers: ServerSet, names: Names, redis_client: aioredis.Redis
+) -> None:
+    src = _model(2)
+    pub_t = _peer(servers, names, fanout=1)
+    bad = _peer(servers, names, fanout=1)
+    child = _peer(servers, names, fanout=1)
+    try:
+        manifest = await _publisher(redis_client, pub_t, names).publish(src, 1)
+        # A real peer that holds the version with bucket 2 flipped, and claims to be the best source.
+        for i in range(manifest.num_buckets):
+            fd, view = new_bucket_memory(manifest.buckets[i].nbytes, "bad")
+            view[:] = pub_t.store.get(1, i).view  # type: ignore[union-attr]
+            if i == 2:
+                view[17] ^= 0xFF
+            bad.store.add(1, i, Bucket(fd, view, view.nbytes, 0))
+        bad.topology.put(1, RelayEntry(tcp=bad.tcp_address, unix=bad.server.unix_name, host=bad.host, fanout=1,
+                                       depth=0, have=manifest.num_buckets, done=1))  # fmt: skip
+        fetched = await WeightReader(redis_client, child, names).fetch(1)
+        assert _same(src, fetched.tensors)
+        assert child.num_corrupt == 1 and child.num_reattaches == 1
+        assert bad.bytes_sent >= sum(b.nbytes for b in manifest.buckets[:3])  # buckets 0-2 (and what its socket took)
+        assert pub_t.bytes_sent == sum(b.nbytes for b in manifest.buckets[2:])  # resumed at the bad bucket
+    finally:
+        for t in (child, bad, pub_t):
+            await t.close()
+
+
+async def _write_manifest(r: aioredis.Redis, names: Names, version: int, buckets: list[bytes]) -> None:
+    body = {"checksum": "xxh3_64", "buckets": [[i, len(b), xxhash.xxh3_64_intdigest(b)] for i, b in enumerate(buckets)]}
+    await r.set(names.weights_manifest(version), msgpack.packb(body))
+
+
+def _readline(proc: subprocess.Popen, want: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"relay process ended (rc {proc.poll()}) before {want!r}")
+        if line.strip() == want:
+            return
+    raise AssertionError(f"relay process did not say {want!r} within {timeout_s}s")
+
+
+async def test_relay_killed_mid_transfer_child_reattaches_and_resumes(
+    servers: ServerSet, names: Names, redis_client: aioredis.Redis
+) -> None:
+    buckets = [os.urandom(BUCKET_BYTES + i) for i in range(8)]
+    await _write_manifest(redis_client, names, 1, buckets)
+    pub_t = _peer(servers, names, fanout=1)
+    child = _peer(servers, names, fanout=1)
+    relay = None
+    try:
+        for i in range(4):  # the publisher holds half of the version; the rest comes later
+            await pub_t.put(1, i, memoryview(buckets[i]))
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.peer_relay_proc", servers.redis_url, names.prefix, "1",
+             "peer://127.0.0.1:0?fanout=1&same_host=tcp&ttl_s=5"],
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        await asyncio.to_thread(_readline, relay, "have 3", 30)
+        gets = [asyncio.create_task(child.get_checked(1, i, "xxh3_64", len(b))) for i, b in enumerate(buckets)]
+        await asyncio.wait_for(asyncio.gather(*gets[:4]), 20)  # from the relay: the publisher's one slot is taken
+        assert child.topology.entries[1].depth == 2
+        relay.kill()
+        relay.wait()
+        t0 = time.monotonic()
+        for i in range(4, 8):
+            await pub_t.put(1, i, memoryview(buckets[i]))
+        got = await asyncio.wait_for(asyncio.gather(*gets), 20)
+        assert time.monotonic() - t0 < 10  # one re-attach, not a TTL expiry
+        assert [bytes(view) for view, _ in got] == buckets
+        assert [c for _, c in got] == [xxhash.xxh3_64_intdigest(b) for b in buckets]
+        assert child.num_reattaches >= 1 and child.topology.entries[1].parent == pub_t.peer_id
+        # Resumed at the bucket it was on: the publisher sent the relay the first half, the child the second.
+        assert pub_t.bytes_sent == sum(len(b) for b in buckets[:4]) + sum(len(b) for b in buckets[4:])
+    finally:
+        if relay is not None and relay.poll() is None:
+            relay.kill()
+            relay.wait()
+        await child.close()
+        await pub_t.close()
+
+
+async def test_late_joiner_pulls_from_a_peer_even_with_the_publisher_gone(
+    servers: ServerSet, names: Names, redis_client: aioredis.Redis
+) -> None:
+    src = _model(3)
+    pub_t = _peer(servers, names, fanout=1)
+    first = _peer(servers, names, fanout=2)
+    late = _peer(servers, names, fanout=2)
+    try:
+        manifest = await _publisher(redis_client, pub_t, names).publish(src, 1)
+        assert _same(src, (await WeightReader(redis_client, first, names).fetch(1)).tensors)
+        await pub_t.close()  # the learner's side is gone: only the first generator holds version 1
+        fetched = await WeightReader(redis_client, late, names).fetch(1)
+        assert _same(src, fetched.tensors)
+        assert late.topology.entries[1].depth == 2 and first.bytes_sent == manifest.total_bytes
+    finally:
+        for t in (late, first, pub_t):
+            await t.close()
+
+
+async def test_no_source_names_what_it_tried(servers: ServerSet, names: Names, redis_client: aioredis.Redis) -> None:
+    buckets = [os.urandom(1000)]
+    await _write_manifest(redis_client, names, 1, buckets)
+    child = make_transport(TransportConfig(url="peer://127.0.0.1:0?fanout=1", timeout_s=1), servers.redis_url, names)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="no peer could serve bucket 0 of weights version 1"):
+            await child.get_checked(1, 0, "xxh3_64", 1000)
+        assert time.monotonic() - t0 < 5
+    finally:
+        await child.close()
+
+
+def test_peer_url_errors_name_the_part() -> None:
+    with pytest.raises(ValueError, match="unknown parameter"):
+        TransportConfig(url="peer://0.0.0.0:0?fan_out=2")
+    with pytest.raises(ValueError, match="fanout must be >= 0"):
+        TransportConfig(url="peer://0.0.0.0:0?fanout=-1")
+    with pytest.raises(ValueError, match="same_host"):
+        TransportConfig(url="peer://0.0.0.0:0?same_host=rdma")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bench fanout needs root (network namespaces, veth, tc)")
+def test_fanout_bench_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "fanout.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "actors.commands.cli", "bench", "fanout", "--hosts", "1,2", "--model-gb", "0.004",
+         "--bucket-mb", "1", "--json", str(out), "--kill-relay"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert set(d["results"]) == {"redis", "direct", "relay"}
+    for mode in ("redis", "direct", "relay"):
+        for n in ("1", "2"):
+            r = d["results"][mode][n]
+            assert r["bit_exact"] and r["all_applied_s"] > 0 and r["publisher_bytes"] >= d["model_bytes"]
+    assert d["results"]["relay"]["2"]["publisher_copies"] < 1.5  # one copy out of the publisher, the peer relays
+    assert d["results"]["direct"]["2"]["publisher_copies"] > 1.9
+    assert d["relay_ratio_16_vs_1"] is not None and d["kill_relay"]["bit_exact"]
+    assert not subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count("arlfo-")
