@@ -136,11 +136,15 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
         out["step_interval_s"] = med(intervals)
     train = col("train_s")
     out["train_s"] = med(train) if train else None
-    block = col("publish_block_s")
+    block = col("weights/publish_block_s")
     interval = out.get("step_interval_s")
     if block:
         out["publish_block_s"] = med(block)
         out["publish_block_frac"] = med(block) / interval if interval else None
+    for key, name in (("weights/delta_ratio", "delta_bytes_ratio"), ("weights/publish_latency_s", "publish_latency_s")):
+        out[name] = med(col(key)) if col(key) else None
+    skipped = col("weights/versions_skipped", events)
+    out["versions_skipped"] = int(max(skipped)) if skipped else None
     if interval and train:
         out["non_train_frac"] = max(0.0, 1.0 - med(train) / interval)
     tokens = col("tokens")
