@@ -107,10 +107,12 @@ class BucketStore:
         closes it; -1 otherwise): None if the version is not here, aborted, or ``timeout_s`` passed without it."""
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: stop.is_set()
-                or (slot := self._versions.get(version)) is None
-                or slot.aborted
-                or index in slot.buckets,
+                lambda: (
+                    stop.is_set()
+                    or (slot := self._versions.get(version)) is None
+                    or slot.aborted
+                    or index in slot.buckets
+                ),
                 timeout_s,
             )
             slot = self._versions.get(version)

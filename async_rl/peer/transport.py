@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgpack
 import redis
@@ -265,6 +265,8 @@ class PeerTransport(BucketTransport):
         raw = self._redis.get(self.names.weights_manifest(v))
         if raw is None:
             raise BucketMissing(f"weights version {v} has no manifest ({self.names.weights_manifest(v)})")
+        if not isinstance(raw, bytes):
+            raise TransportError("peer transport: the manifest came back decoded (a Redis client decoding responses?)")
         pull.algorithm, sizes, checksums = _manifest_buckets(raw)
         pull.checksums = checksums
         pull.sizes = sizes

@@ -111,6 +111,14 @@ async def _write_manifest(r: aioredis.Redis, names: Names, version: int, buckets
     await r.set(names.weights_manifest(version), msgpack.packb(body))
 
 
+def _start_relay(redis_url: str, prefix: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.peer_relay_proc", redis_url, prefix, "1",
+         "peer://127.0.0.1:0?fanout=1&same_host=tcp&ttl_s=5"],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 def _readline(proc: subprocess.Popen, want: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None
@@ -134,11 +142,7 @@ async def test_relay_killed_mid_transfer_child_reattaches_and_resumes(
     try:
         for i in range(4):  # the publisher holds half of the version; the rest comes later
             await pub_t.put(1, i, memoryview(buckets[i]))
-        relay = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.peer_relay_proc", servers.redis_url, names.prefix, "1",
-             "peer://127.0.0.1:0?fanout=1&same_host=tcp&ttl_s=5"],
-            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        relay = _start_relay(servers.redis_url, names.prefix)
         await asyncio.to_thread(_readline, relay, "have 3", 30)
         gets = [asyncio.create_task(child.get_checked(1, i, "xxh3_64", len(b))) for i, b in enumerate(buckets)]
         await asyncio.wait_for(asyncio.gather(*gets[:4]), 20)  # from the relay: the publisher's one slot is taken

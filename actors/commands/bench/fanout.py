@@ -39,6 +39,10 @@ SUBNET = "10.77.0"
 REDIS_PORT = 6379
 MODES = ("redis", "direct", "relay")
 DEFAULT_HOSTS = (1, 2, 4, 8, 16)
+APPLIED_MEANS = (
+    "received, every bucket checksum-verified by the WeightReader, every tensor re-hashed against the publisher's "
+    "digests (bit_exact)"
+)
 # Per generator the model is held once, plus the publisher's tensors and peer copy and Valkey's copy.
 MEMORY_SLACK = 1.3
 
@@ -204,7 +208,7 @@ async def _publisher_worker(args: argparse.Namespace) -> None:
                 n = min(left, cmd["tensor_bytes"])
                 tensors[f"layers.{i}.weight"] = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
                 left, i = left - n, i + 1
-            digests = {k: xxhash.xxh3_64_intdigest(t.numpy()) for k, t in tensors.items()}
+            digests = {k: xxhash.xxh3_64_intdigest(t.numpy().data) for k, t in tensors.items()}
             _reply({"digests": digests})
         elif kind == "publish":
             names = Names(prefix=cmd["prefix"])
@@ -217,7 +221,7 @@ async def _publisher_worker(args: argparse.Namespace) -> None:
             _reply({"publish_s": time.perf_counter() - t0, "num_buckets": m.num_buckets, "total_bytes": m.total_bytes})
         elif kind == "relays":
             raw = await r.hgetall(state["names"].weights_relays(state["version"]))
-            _reply({"relays": {k.decode(): json.loads(v) for k, v in raw.items()}})
+            _reply({"relays": {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in raw.items()}})
         elif kind == "finish":
             transport = state.pop("transport")
             sent = getattr(transport, "bytes_sent", 0)
@@ -257,7 +261,7 @@ async def _generator_worker(args: argparse.Namespace) -> None:
                 continue
             applied_at = time.time()
             digests = cmd["digests"]
-            exact = all(xxhash.xxh3_64_intdigest(t.numpy()) == digests[k] for k, t in fetched.tensors.items())
+            exact = all(xxhash.xxh3_64_intdigest(t.numpy().data) == digests[k] for k, t in fetched.tensors.items())
             exact = exact and fetched.tensors.keys() == digests.keys()
             del fetched
             _reply({"applied_at": applied_at, "bit_exact": exact,
@@ -277,6 +281,25 @@ async def _generator_worker(args: argparse.Namespace) -> None:
 # ---- driver ----------------------------------------------------------------------------------
 
 
+def _open_log(path: Path) -> Any:
+    return open(path, "wb")  # noqa: SIM115 - handed to the worker process, closed by the caller after the spawn
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable"))
+
+
+def _start_valkey() -> subprocess.Popen:
+    from async_rl.servers import valkey_binary
+
+    return subprocess.Popen(
+        ["ip", "netns", "exec", _host_ns(0), str(valkey_binary()), "--bind", _addr(0), "--port", str(REDIS_PORT),
+         "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
 class Worker:
     """One worker process in a host namespace, spoken to in JSON lines."""
 
@@ -290,7 +313,7 @@ class Worker:
     @classmethod
     async def start(cls, host: int, role: str, redis_url: str, log_dir: Path) -> Worker:
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), OMP_NUM_THREADS="1")
-        log = open(log_dir / f"{role}-{host}.log", "wb")  # noqa: SIM115 - the process owns it
+        log = _open_log(log_dir / f"{role}-{host}.log")
         proc = await asyncio.create_subprocess_exec(
             "ip", "netns", "exec", _host_ns(host), sys.executable, "-m", "actors.commands.bench.fanout",
             "--worker", role, "--redis-url", redis_url,
@@ -407,12 +430,9 @@ def _check_root() -> str | None:
 
 
 async def _drive(args: argparse.Namespace) -> dict[str, Any]:
-    from async_rl.servers import valkey_binary
-
     num_hosts = max(args.host_counts) + 1
     model_bytes = int(args.model_gb * 1e9)
-    with open("/proc/meminfo") as fh:
-        avail = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable"))
+    avail = _mem_available()
     need = int((max(args.host_counts) + 3) * model_bytes * MEMORY_SLACK)
     if need > avail:
         raise SystemExit(f"async-rl bench fanout: {max(args.host_counts)} generators x {args.model_gb} GB needs about "
@@ -427,11 +447,7 @@ async def _drive(args: argparse.Namespace) -> dict[str, Any]:
     qdisc = ""
     try:
         qdisc = setup_namespaces(num_hosts, args.link_gbps, args.link_ms)
-        valkey = subprocess.Popen(
-            ["ip", "netns", "exec", _host_ns(0), str(valkey_binary()), "--bind", _addr(0), "--port", str(REDIS_PORT),
-             "--save", "", "--appendonly", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        valkey = _start_valkey()
         redis_url = f"redis://{_addr(0)}:{REDIS_PORT}/0"
         pub = await Worker.start(0, "publisher", redis_url, log_dir)
         workers.append(pub)
@@ -482,13 +498,13 @@ async def _drive(args: argparse.Namespace) -> dict[str, Any]:
         "publisher_fanout": args.publisher_fanout,
         "results": results,
         "relay_ratio_16_vs_1": (
-            round(relay[many]["all_applied_s"] / relay[one]["all_applied_s"], 3) if one in relay and many in relay
+            round(relay[many]["all_applied_s"] / relay[one]["all_applied_s"], 3)
+            if one in relay and many in relay
             else None
         ),
         "relay_ratio_hosts": [int(one), int(many)],
         "kill_relay": fault,
-        "applied_means": "received, every bucket checksum-verified by the WeightReader, every tensor re-hashed "
-                         "against the publisher's digests (bit_exact)",
+        "applied_means": APPLIED_MEANS,
         "stale_namespaces_removed": stale,
         "machine": {
             "cpus": os.cpu_count(),
