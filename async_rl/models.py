@@ -9,6 +9,7 @@ weights) paired with the char-level tokenizer of :mod:`async_rl.tokenizer`:
   0.05 to 0.9 on ``copy`` in 150 steps, 90 s on 2 CPU cores.
 * ``tiny-dense``: the same shape with a dense MLP (Qwen3), for tests of dense paths.
 * ``small-moe``: 4 layers, hidden 128, 8 experts, top-2 (about 1.8M parameters).
+* ``moe-107m``: 8 layers, hidden 512, 32 experts, top-4 (107M parameters): the GPU benchmark model.
 
 Head dimensions are 32 or more: vLLM's CPU attention backend takes head sizes 32, 64, 80, ...
 Anything else is a path to a local Hugging Face model directory (config, safetensors,
@@ -87,6 +88,14 @@ def small_moe_config(**overrides: Any) -> Qwen3MoeConfig:
     return _moe_config(hidden=128, intermediate=256, layers=4, experts=8, **overrides)
 
 
+def moe_107m_config(**overrides: Any) -> Qwen3MoeConfig:
+    """The GPU benchmark model (``bench loop``, ``bench publish``): 8 layers, hidden 512, 32 experts top-4 (expert FFN
+    256), 8 heads of 64; 107M parameters, 214 MB in bf16; the char vocabulary, so it learns the toy tasks."""
+    kw: dict[str, Any] = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts_per_tok=4,
+                              moe_intermediate_size=256)  # fmt: skip
+    return _moe_config(hidden=512, intermediate=1024, layers=8, experts=32, **{**kw, **overrides})
+
+
 def tiny_dense_config(**overrides: Any) -> Qwen3Config:
     """The dense twin of ``tiny-moe`` (Qwen3, 2 layers, hidden 64, MLP 256)."""
     kw = _common(
@@ -105,6 +114,7 @@ PRESETS: dict[str, Callable[..., PretrainedConfig]] = {
     "tiny-moe": tiny_moe_config,
     "tiny-dense": tiny_dense_config,
     "small-moe": small_moe_config,
+    "moe-107m": moe_107m_config,
 }
 """Preset name -> config factory."""
 assert tuple(PRESETS) == PRESET_NAMES and tuple(DTYPES) == DTYPE_NAMES, "async_rl/model_config.py names them"

@@ -18,8 +18,8 @@ heartbeats' ``generate_s``), ``reward_curve`` ([step, seconds, reward, exact mat
 ``peak_memory_gib`` (the learner's, GPU), ``tracebacks`` (lines in any process log; a clean run has none); with
 ``--target``, ``wall_to_target_s`` and ``steps_to_target``.
 
-``moe-107m`` is the GPU benchmark model of the publishing and Megatron issues: Qwen3-MoE, 8 layers, hidden
-512, 32 experts top-4 (expert FFN 256), the toy tokenizer (copy task): 107M parameters, 214 MB in bf16.
+``moe-107m`` is the GPU benchmark model of the publishing and Megatron issues (a preset: every process builds
+the same seeded weights): Qwen3-MoE, 8 layers, hidden 512, 32 experts top-4, 107M parameters, 214 MB in bf16.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 MODELS = ("tiny-moe", "small-moe", "moe-107m")
-"""Presets, plus the GPU benchmark model built into the run directory (any other value: a model directory)."""
+"""Presets (``async_rl/models.py``); any other value: a model directory."""
 LEARNER_DEFAULTS = ["task.name=copy", "batch_groups=32", "sampling.n=8", "checkpoint.every=10",
                     "metrics.wandb_mode=disabled", "staleness.max_staleness=2"]  # fmt: skip
 """The quickstart's batch (32 prompts x 8 samples) and staleness bound; wandb off (a benchmark, not a run)."""
@@ -72,20 +72,6 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     if args.model not in MODELS and not Path(args.model, "config.json").is_file():
         p.error(f"--model must be one of {', '.join(MODELS)} or a model directory with a config.json: {args.model!r}")
     return args
-
-
-def build_model_dir(name: str, run_dir: Path) -> str:
-    """The model's name for ``model.name``: a preset as is, ``moe-107m`` written into ``run_dir/model``."""
-    if name != "moe-107m":
-        return name
-    from async_rl.models import build_model, save_pretrained_dir, tiny_moe_config
-
-    cfg = tiny_moe_config(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
-                          num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=4,
-                          moe_intermediate_size=256)  # fmt: skip
-    path = run_dir / "model"
-    save_pretrained_dir(path, build_model(cfg, seed=0))
-    return str(path)
 
 
 def commands(args: argparse.Namespace, model: str, prefix: str, redis_url: str, nats_url: str,
@@ -225,7 +211,7 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
 
     run_dir: Path = args.run_dir or Path("runs") / f"bench-loop-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    model = build_model_dir(args.model, run_dir)
+    model = args.model
     prefix = f"bench-loop-{os.getpid()}"
     names = Names(prefix=prefix)
     servers = ensure_servers(None, None)
