@@ -259,8 +259,11 @@ def test_exported_weights_reload_into_torch_with_same_logprobs() -> None:
             meg.train_step([mb], nll_loss, replay_routes=True)
         after = meg.forward_logprobs(mb, replay_routes=True).logprobs
         exported = dict(meg.export_weights())
+        on_gpu = dict(meg.snapshot_source())  # what the learner's pinned snapshot copies: the same bits, on the GPU
     finally:
         meg.close()
+    assert sorted(on_gpu) == sorted(exported) and all(t.is_cuda for t in on_gpu.values())
+    assert all(torch.equal(on_gpu[k].cpu(), v) for k, v in exported.items())
     fresh = Qwen3MoeForCausalLM(cfg)
     missing, unexpected = fresh.load_state_dict(exported, strict=True)
     assert not missing and not unexpected

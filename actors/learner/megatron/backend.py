@@ -630,10 +630,14 @@ class MegatronBackend(TrainingBackend):
     # ------------------------------------------------------------------------------------------ weights
 
     @torch.no_grad()
-    def export_global(self) -> dict[str, torch.Tensor] | None:
-        """Global megatron state dict (CPU, model dtype) on the main rank, None elsewhere. Rebuilt on every call."""
+    def export_global(self, *, on_device: bool = False) -> dict[str, torch.Tensor] | None:
+        """Global megatron state dict (CPU, model dtype) on the main rank, None elsewhere. Rebuilt on every call.
+        ``on_device`` (one rank only): the tensors stay on the GPU (views of the parameters where no gather is due)."""
         from megatron.core import parallel_state as ps
 
+        world = torch.distributed.get_world_size()
+        if on_device and world != 1:
+            raise ValueError("export_global(on_device=True) is for one rank: several gather to rank 0's host")
         pieces: dict[str, torch.Tensor] = {}
         for name, p in _expand_stacked(self.gpt.named_parameters()):
             g = global_name(name, self.naming, self.arch.moe_layers)
@@ -649,10 +653,9 @@ class MegatronBackend(TrainingBackend):
                 parts = [torch.empty_like(t) for _ in range(size)]
                 torch.distributed.all_gather(parts, t.contiguous(), group=group)
                 t = unshard(g, parts)
-            pieces[g] = t.cpu()
+            pieces[g] = t if on_device else t.cpu()
         keep = self.tp_rank == 0 and self.cp_rank == 0 and self.etp_rank == 0
         send = pieces if keep else None
-        world = torch.distributed.get_world_size()
         if world == 1:
             return pieces
         box: list | None = [None] * world if self.is_main_rank else None
@@ -673,6 +676,16 @@ class MegatronBackend(TrainingBackend):
         glob = self.export_global()
         if glob is None:
             return iter(())
+        hf = mcore_to_hf(glob, self.arch, fused_experts=self.cfg.fused_experts_export)
+        return iter(sorted(hf.items()))
+
+    def snapshot_source(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """One rank: the HF-named weights converted on the GPU (no host copy, no sync here), for the learner's pinned
+        snapshot (a side stream copies them while the next step trains). Several ranks: the gathered export."""
+        if torch.distributed.get_world_size() != 1:
+            return self.export_weights()
+        glob = self.export_global(on_device=True)
+        assert glob is not None
         hf = mcore_to_hf(glob, self.arch, fused_experts=self.cfg.fused_experts_export)
         return iter(sorted(hf.items()))
 
