@@ -41,7 +41,12 @@ def _parse(argv: list[str] | None, prog: str) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--model-gb", type=float, default=1.0, help="size of the large synthetic model in GB (bf16)")
     ap.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_MB, help="bucket size in MiB")
-    ap.add_argument("--transport", choices=("redis", "shm"), default="redis")
+    ap.add_argument(
+        "--transport",
+        choices=("redis", "shm", "peer", "peer-tcp"),
+        default="redis",
+        help="peer: peer:// (one host: memfds handed over); peer-tcp: peer:// with bytes over loopback TCP",
+    )
     ap.add_argument("--redis-url", default=None, help="Redis URL (default: an embedded server)")
     ap.add_argument("--nats-url", default=None, help="NATS URL (default: an embedded server)")
     ap.add_argument("--no-small", action="store_true", help="skip the 10x smaller model")
@@ -54,6 +59,14 @@ def _parse(argv: list[str] | None, prog: str) -> argparse.Namespace:
     if not 0 < args.bucket_mb <= 512:
         ap.error("--bucket-mb must be in (0, 512]")
     return args
+
+
+def _transport_url(name: str) -> str:
+    """The transport URL of ``--transport``."""
+    return {
+        "redis": "", "shm": "shm:///dev/shm", "peer": "peer://127.0.0.1:0?fanout=4",
+        "peer-tcp": "peer://127.0.0.1:0?fanout=4&same_host=tcp",
+    }[name]  # fmt: skip
 
 
 def _moe_config(target_bytes: float):  # type: ignore[no-untyped-def]
@@ -107,7 +120,12 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
     names = Names(prefix=f"bench-weights-{uuid.uuid4().hex[:8]}")
     r = aioredis.Redis.from_url(redis_url)
     sync_r = redis.Redis.from_url(redis_url)
-    transport = make_transport(TransportConfig(url="shm:///dev/shm" if args.transport == "shm" else ""), redis_url, names)
+    transport = make_transport(TransportConfig(url=_transport_url(args.transport)), redis_url, names)
+    # peer://: the generator side has its own transport (its own process in a real run), pulling from the publisher's.
+    peer = args.transport.startswith("peer")
+    reader_transport = (
+        make_transport(TransportConfig(url=_transport_url(args.transport)), redis_url, names) if peer else transport
+    )
     out: dict[str, Any] = {"layers": mcfg.num_hidden_layers, "build_s": round(build_s, 2)}
     try:
         async with (ControlPlane(nats_url, name="bench-learner") as learner_cp, ControlPlane(nats_url) as gen_cp,
@@ -123,7 +141,7 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
             out["num_tensors"] = len(m0.tensors)
 
             # First load (cold: the engine also builds its standby model).
-            reader = WeightReader(r, transport, names)
+            reader = WeightReader(r, reader_transport, names)
             sync = WeightSync(engine, reader, names, WeightSyncConfig(poll_interval_s=3600), gen_cp)
             t0 = time.perf_counter()
             await sync.start()
@@ -150,6 +168,14 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
                         conn.get(k)
                     row["raw_socket_get_gbps"] = total / (time.perf_counter() - t0) / GB
                     conn.close()
+                elif peer:  # a fresh peer pulling every bucket (checksummed on arrival), no reader
+                    raw_t = make_transport(TransportConfig(url=_transport_url(args.transport)), redis_url, names)
+                    t0 = time.perf_counter()
+                    views = [await raw_t.get(version, i) for i in range(m0.num_buckets)]
+                    row["raw_get_gbps"] = total / (time.perf_counter() - t0) / GB
+                    blobs = [bytes(v) for v in views]
+                    del views
+                    await raw_t.close()
                 else:
                     t0 = time.perf_counter()
                     blobs = [bytes(await transport.get(version, i)) for i in range(m0.num_buckets)]
@@ -233,6 +259,8 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
         for v in range(args.rounds + 2):
             await transport.delete(v, 64)
         await transport.close()
+        if reader_transport is not transport:
+            await reader_transport.close()
         keys = list(sync_r.scan_iter(match=names.all_key_pattern(), count=1000))
         if keys:
             sync_r.delete(*keys)
