@@ -34,7 +34,7 @@ def test_tiny_grid_json_shape_and_exact_lag(tmp_path: Path) -> None:
     ]
     assert staleness.main(argv) == 0
     data = json.loads(out.read_text())
-    assert data["grid"] == [0, 2] and data["seeds"] == 1 and data["steps"] == 5 and data["metric"] == "reward/exact"
+    assert data["grid"] == [0, 2] and data["seeds"] == 1 and data["steps"] == 5 and data["metric"] == {"copy": "reward/exact"}
     assert data["machine"]["cpus"] and data["machine"]["torch"]
     assert set(data["results"]) == {"copy"} and set(data["results"]["copy"]) == {"none", "default"}
     for method in ("none", "default"):
