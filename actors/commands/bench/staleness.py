@@ -78,6 +78,8 @@ def _parse(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--mixed", default="", help="methods to also run with responses spanning two versions")
     p.add_argument("--mixed-staleness", default="4,8,16", help="S values of the mixed-version runs")
     p.add_argument("--resume", action="store_true", help="keep the runs --json already holds and skip them")
+    p.add_argument("--merge", type=Path, nargs="*", default=[], help="also keep (and skip) the runs of these JSONs")
+    p.add_argument("--max-runs", type=int, default=-1, help="start at most this many new runs (-1: all)")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="start no run after this many seconds (0: none)")
     p.add_argument("overrides", nargs="*", help="extra learner overrides for every run (dotted key=value)")
     args = p.parse_args(argv)
@@ -85,8 +87,8 @@ def _parse(argv: list[str] | None, prog: str) -> argparse.Namespace:
     args.method_list = _names(p, "--methods", args.methods, METHODS)
     args.mixed_list = _names(p, "--mixed", args.mixed, METHODS) if args.mixed else []
     try:
-        args.s_list = [int(x) for x in args.staleness.split(",")]
-        args.mixed_s_list = [int(x) for x in args.mixed_staleness.split(",")]
+        args.s_list = [int(x) for x in args.staleness.split(",") if x]  # empty: mixed-version runs only
+        args.mixed_s_list = [int(x) for x in args.mixed_staleness.split(",") if x]
     except ValueError:
         p.error("--staleness / --mixed-staleness must be comma-separated integers")
     if any(s < 0 for s in args.s_list + args.mixed_s_list):
@@ -263,8 +265,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench staleness") 
     runs: list[dict[str, Any]] = []
     if args.resume and args.json.exists():
         runs = json.loads(args.json.read_text()).get("runs", [])
+    for path in args.merge:
+        runs += json.loads(path.read_text()).get("runs", [])
     done = {_key(r) for r in runs}
     jobs = [j for j in _jobs(args) if _key(j) not in done]
+    if args.max_runs >= 0:
+        jobs = jobs[: args.max_runs]
     print(f"{len(jobs)} runs of {args.steps} steps on {args.workers} workers ({len(done)} already done)", flush=True)
 
     errors: list[dict[str, Any]] = []
