@@ -24,7 +24,7 @@ from typing import Any
 DEFAULT_LEARNER = [
     "model.name=tiny-moe", "task.name=copy", "batch_groups=32", "sampling.n=8", "torch.lr=5e-4",
     "torch.lr_schedule=cosine", "torch.lr_decay_steps=1000", "torch.lr_min_ratio=0.1", "target_metric=reward/exact",
-    "torch.device=cpu", "checkpoint.every=10", "metrics.wandb_mode=auto", "staleness.max_staleness=2",
+    "torch.device=cpu", "checkpoint.every=10", "metrics.wandb_mode=auto", "staleness.max_staleness=4",
 ]  # fmt: skip
 """A 250k-parameter Qwen3-MoE-style model copies a 5-digit string; 32 prompts x 8 samples per step; the run stops on
 the exact-match rate (``target_metric``, see HEADLINE). Adam lr 5e-4 decayed by a cosine to 5e-5 over 1,000 steps.
@@ -33,8 +33,10 @@ differ, and the near-deterministic policy does not survive them: in-process (scr
 8 of 9 runs at a constant 1e-3 fell by 0.34-1.0 from their best exact-match rate, first after 187-636 steps, both
 at 5e-4 after ~1,520, and 7 of 7 runs decayed from 1e-3 to 1e-4 stayed within 0.006 of it. The peak is 5e-4, not
 1e-3: with real processes 1e-3 failed 2 of 6 quickstarts within 400 steps (one collapsed at step ~270, one froze
-half-solved), 5e-4 reached 0.9 in 4 of 4 in 242-251 steps (docs/quickstart/README.md). S=2 keeps two batches in
-flight: with S=4 an idle machine's generators ran 3 versions ahead of every batch and one run collapsed near 0.72."""
+half-solved), 5e-4 reached 0.9 in 4 of 4 in 242-251 steps (docs/quickstart/README.md). S=4 since issue 18: with
+exactly S-stale batches (``async-rl bench staleness``, 3 seeds) the default loss ends within 0.011 of S=0's exact-match
+rate at S=4 and S=8 and reaches 0.9 in 1.07x S=0's steps (docs/benchmarks/staleness-*.json); an S=4 collapse near
+0.72 seen before it was at the old constant lr 1e-3."""
 GENERATOR_ARGS = ["torch.model.name=tiny-moe", "task.name=copy", "torch.num_threads=1", "torch.max_batch_prompts=16"]
 """Batches of half a learner step per generator keep staleness low (a 64-prompt batch spans two learner steps)."""
 HEADLINE = "reward/exact"
