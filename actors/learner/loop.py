@@ -219,6 +219,7 @@ class Learner:
             await self._publish(wait=True)
         else:
             self.state.published_version = latest
+            self._weights.published_version = latest  # out already: the loop's final flush has nothing to send
         self._checker.max_version = max(self.state.version, self.state.published_version)
 
     async def run(self) -> LearnerState:
