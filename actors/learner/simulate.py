@@ -197,8 +197,8 @@ class Simulation:
             groups.append(GroupRecord(group_id=spec.prompt_id, prompt_id=spec.prompt_id, generator_id="sim",
                                       created_at=time.time(), prompt_ids=spec.prompt_ids, samples=samples))  # fmt: skip
         token_versions = np.concatenate([s.versions for g in groups for s in g.samples])
-        samples, adv_metrics, rewards = build_samples(groups, cfg)
-        mbs = make_micro_batches(samples, cfg.batching)
+        train_samples, adv_metrics, rewards = build_samples(groups, cfg)
+        mbs = make_micro_batches(train_samples, cfg.batching)
         if sim.mixed == "oldest":
             self._as_oldest(mbs, old)
         learner_lp = [self.backend.forward_logprobs(mb, replay_routes=cfg.replay_routes).logprobs for mb in mbs]

@@ -146,6 +146,11 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _finite(x: float) -> float | None:
+    """NaN (a statistic no step reported, e.g. ``kept_frac`` with no correction on) as JSON null."""
+    return None if x != x else x
+
+
 def _cell(runs: list[dict[str, Any]]) -> dict[str, Any]:
     runs = sorted(runs, key=lambda r: r["seed"])
     reached = [r["steps_to_0_9"] for r in runs]
@@ -156,7 +161,7 @@ def _cell(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "steps_to_0_9": round(_mean(reached), 1) if all(x is not None for x in reached) else None,
         "steps_to_0_9_seeds": reached,
         "final_shaped_reward": round(_mean([r["final_shaped_reward"] for r in runs]), 4),
-        **{k: round(_mean([r[k] for r in runs]), 5) for k in
+        **{k: _finite(round(_mean([r[k] for r in runs]), 5)) for k in
            ("abs_log_ratio_mean", "abs_log_ratio_p99", "log_ratio_sq_mean", "kept_frac", "clip_ratio")},
         "abs_log_ratio_max": round(max(r["abs_log_ratio_max"] for r in runs), 4),
         "lag_exact": all(r["lag_exact"] for r in runs), "token_lag_max": max(r["token_lag_max"] for r in runs),
