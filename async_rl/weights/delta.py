@@ -14,10 +14,34 @@ shuffled XOR 0.78 / 0.57; zstd-1 is the smallest at 0.2-0.8 GB/s on this machine
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
 import numpy as np
 import zstandard
 
 ZSTD_MAX_LEVEL = 22
+PIECE_THREADS = max(1, min(8, os.cpu_count() or 1))
+"""Threads that encode (publisher) or decode and check (reader) pieces side by side: XOR, shuffle, zstd and the
+checksum all release the GIL. On the H100 machine's 16 cores one thread encoded 214 MB of bf16 deltas in ~1 s,
+which put the version a second behind the learner; past 8 threads memory bandwidth, not cores, is the limit."""
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_pool: ThreadPoolExecutor | None = None
+
+
+def map_pieces(fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+    """``[fn(x) for x in items]`` on :data:`PIECE_THREADS` threads, in order; the first exception is raised."""
+    global _pool
+    items = list(items)
+    if PIECE_THREADS == 1 or len(items) < 2:
+        return [fn(x) for x in items]
+    if _pool is None:
+        _pool = ThreadPoolExecutor(PIECE_THREADS, thread_name_prefix="weights-piece")
+    return list(_pool.map(fn, items))
 
 
 def as_bytes(t) -> np.ndarray:  # type: ignore[no-untyped-def]

@@ -218,23 +218,23 @@ class WeightPublisher:
         hasher = CHECKSUMS[self.checksum]
         level = self.cfg.zstd_level
 
+        def encode_one(p: Piece) -> _Payload:
+            t = p.tensor.detach()
+            if t.dtype not in DTYPE_NAMES:
+                raise ValueError(f"weights: tensor {p.name!r} has unsupported dtype {t.dtype}")
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            t = t.contiguous()
+            new = delta.as_bytes(t)
+            b = base.get(p.name) if base is not None else None
+            old = delta.as_bytes(b) if b is not None and b.shape == t.shape and b.dtype == t.dtype else None
+            encoding, data = delta.encode(new, old, t.element_size(), level)
+            dim, start, length = (0, 0, -1) if p.whole else (p.dim, p.start, int(t.shape[p.dim]))
+            entry = PieceEntry(0, 0, data.nbytes, hasher(new.data), dim, start, length, encoding, rank)
+            return _Payload(Piece(p.name, t, p.full_shape, p.dim, p.start), entry, data)
+
         def encode() -> list[_Payload]:
-            out = []
-            for p in pieces:
-                t = p.tensor.detach()
-                if t.dtype not in DTYPE_NAMES:
-                    raise ValueError(f"weights: tensor {p.name!r} has unsupported dtype {t.dtype}")
-                if t.device.type != "cpu":
-                    t = t.to("cpu")
-                t = t.contiguous()
-                new = delta.as_bytes(t)
-                b = base.get(p.name) if base is not None else None
-                old = delta.as_bytes(b) if b is not None and b.shape == t.shape and b.dtype == t.dtype else None
-                encoding, data = delta.encode(new, old, t.element_size(), level)
-                dim, start, length = (0, 0, -1) if p.whole else (p.dim, p.start, int(t.shape[p.dim]))
-                entry = PieceEntry(0, 0, data.nbytes, hasher(new.data), dim, start, length, encoding, rank)
-                out.append(_Payload(Piece(p.name, t, p.full_shape, p.dim, p.start), entry, data))
-            return out
+            return delta.map_pieces(encode_one, pieces)
 
         t0 = time.perf_counter()
         payloads = await asyncio.to_thread(encode)

@@ -50,6 +50,10 @@ return 1
 """
 
 
+# Read-only buffers (shared memory) give read-only tensors: engines copy them, never write. Set once for the
+# process (warnings.catch_warnings is not thread-safe, and pieces are built on several threads).
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
 class WeightsError(RuntimeError):
     """A weight version could not be read; the reader's caller keeps its current weights."""
 
@@ -249,13 +253,12 @@ def _build(manifest: Manifest, buffers: list[memoryview], base: dict[str, torch.
     """Worker thread: every tensor of ``manifest`` from its pieces' payloads (deltas onto ``base``), each piece
     checked against its checksum; CorruptVersion naming the tensor otherwise."""
     hasher = CHECKSUMS[manifest.checksum]
-    out: dict[str, torch.Tensor] = {}
-    with warnings.catch_warnings():
-        # Read-only buffers (shared memory) give read-only tensors: engines copy them, never write.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        for t in manifest.tensors:
-            out[t.name] = _build_tensor(manifest, t, buffers, base, hasher)
-    return out
+
+    def build(t: ManifestTensor) -> torch.Tensor:  # on one of the piece threads
+        return _build_tensor(manifest, t, buffers, base, hasher)
+
+    built = delta.map_pieces(build, manifest.tensors)
+    return {t.name: tensor for t, tensor in zip(manifest.tensors, built, strict=True)}
 
 
 def _build_tensor(manifest: Manifest, t: ManifestTensor, buffers: list[memoryview],
