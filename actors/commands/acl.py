@@ -63,6 +63,8 @@ def generator_selectors(n: Names) -> list[str]:
         f"(%R~{p}:weights:* %R~{p}:run:* +get +strlen +exists +zrange +zscore +hget +hgetall)",
         f"(~{p}:weights:*:manifest ~{p}:weights:*:readers +eval +evalsha)",
         f"(~{p}:weights:*:readers +zadd +zrem +zrange +pexpireat)",
+        # ask for a full version (a late joiner, a refused delta): the publisher takes the set before its next one
+        f"(~{n.weights_want_full} +zadd)",
     ]
 
 

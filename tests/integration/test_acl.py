@@ -78,8 +78,11 @@ async def test_each_role_runs_its_code_paths_and_nothing_more(locked: tuple[Name
             await (large if i == 2 else small).append(rec)
         assert await q.ack(got[:3]) == 3
         assert await q.release(got[3:]) == 1
-        fetched = await WeightReader(gen, RedisTransport(urls["generator"], names), names).fetch()
+        gen_reader = WeightReader(gen, RedisTransport(urls["generator"], names), names)
+        fetched = await gen_reader.fetch()
         assert torch.equal(fetched.tensors["w"], weights["w"])
+        assert await gen_reader.request_full()  # a late joiner may ask for a full version, and nothing else
+        assert await learner.zcard(names.weights_want_full) == 1
         # Learner: reads, checks, commits.
         r = RolloutReader(learner, names, checker=EntryChecker(FACTS, num_samples=2, max_version=0),
                           check_issued=True)  # fmt: skip
