@@ -25,7 +25,8 @@ class PeerUrl:
     advertise: str
     """Address other peers connect to ('': the bind address, or the local address that reaches Redis)."""
     keep: int
-    """Versions held for serving (the newest ones)."""
+    """Versions a generator holds for serving (the newest ones it pulled); the publisher holds each version until
+    its own pruning deletes it (a delta's full base stays as long as the publisher keeps it)."""
     ttl_s: float
     """Lifetime of this peer's relay entries without a heartbeat."""
     connect_timeout_s: float

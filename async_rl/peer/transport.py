@@ -182,10 +182,8 @@ class PeerTransport(BucketTransport):
             checksum = 0  # a source's buckets are its own; children verify against the manifest
             first = not self.store.has_version(version)
             self.store.add(version, index, Bucket(fd, view, data.nbytes, checksum))
-            if first:
+            if first:  # held until the publisher's prune deletes it (a delta's base may stay for many versions)
                 self.topology.put(version, self._entry(done=1, have=0))
-                for old in self.store.retire_older(version):
-                    self.topology.leave(old)
 
         await asyncio.to_thread(copy_in)
 
@@ -326,6 +324,8 @@ class PeerTransport(BucketTransport):
         self.topology.update(v, parent="", done=1, have=n)
         for old in self.store.retire_older(v):
             self.topology.leave(old)
+            with self._lock:
+                self._pulls.pop(old, None)
 
     def _resume_at(self, version: int, n: int) -> int:
         index = 0

@@ -156,7 +156,7 @@ async def test_relay_killed_mid_transfer_child_reattaches_and_resumes(
         assert time.monotonic() - t0 < 10  # one re-attach, not a TTL expiry
         assert [bytes(view) for view, _ in got] == buckets
         assert [c for _, c in got] == [xxhash.xxh3_64_intdigest(b) for b in buckets]
-        assert child.num_reattaches >= 1 and child.topology.entries[1].parent == pub_t.peer_id
+        assert child.num_reattaches >= 1 and len(child.reattach_s) == 1 and child.reattach_s[0] < 5
         # Resumed at the bucket it was on: the publisher sent the relay the first half, the child the second.
         assert pub_t.bytes_sent == sum(len(b) for b in buckets[:4]) + sum(len(b) for b in buckets[4:])
     finally:
