@@ -79,6 +79,7 @@ def _parse(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--mixed-staleness", default="4,8,16", help="S values of the mixed-version runs")
     p.add_argument("--resume", action="store_true", help="keep the runs --json already holds and skip them")
     p.add_argument("--merge", type=Path, nargs="*", default=[], help="also keep (and skip) the runs of these JSONs")
+    p.add_argument("--note", default="", help="a free-text note stored in the JSON (how and where it was run)")
     p.add_argument("--max-runs", type=int, default=-1, help="start at most this many new runs (-1: all)")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="start no run after this many seconds (0: none)")
     p.add_argument("overrides", nargs="*", help="extra learner overrides for every run (dotted key=value)")
@@ -170,7 +171,9 @@ def _cell(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def assemble(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> dict[str, Any]:
+def assemble(
+    runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, machine: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The JSON: ``results[task][method][S]`` and ``mixed[task][method][treatment][S]`` cells, plus the raw runs."""
     results: dict[str, Any] = {}
     mixed: dict[str, Any] = {}
@@ -186,7 +189,8 @@ def assemble(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float
         "target": TARGET, "grid": args.s_list, "mixed_grid": args.mixed_s_list, "tasks": args.task_list,
         "methods": {m: METHODS[m] for m in dict.fromkeys([*args.method_list, *args.mixed_list])},
         "seeds": args.seeds, "steps": args.steps, "recipe": [o for o in DEFAULT_LEARNER if o.startswith(SIM_KEYS)],
-        "overrides": args.overrides, "machine": _machine(args.workers), "wall_s": round(wall_s, 1),
+        "overrides": args.overrides, "note": args.note, "machine": machine or _machine(args.workers), "wall_s": round(wall_s, 1),
+        "runs_wall_s": round(sum(r["wall_s"] for r in runs), 1),
         "results": results, "mixed": mixed, "runs": runs,
     }  # fmt: skip
 
@@ -212,6 +216,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
     tasks = list(data["results"])
     panels = tasks + [f"{t} (mixed)" for t in data.get("mixed", {})]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # one colour per method, the same in every panel
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         if panel.endswith("(mixed)"):
@@ -225,8 +230,11 @@ def plot(data: dict[str, Any], path: Path) -> None:
             ys = [cells[s]["final_reward"] for s in ss]
             lo = [y - min(cells[s]["final_reward_seeds"]) for s, y in zip(ss, ys, strict=True)]
             hi = [max(cells[s]["final_reward_seeds"]) - y for s, y in zip(ss, ys, strict=True)]
-            width = 2.4 if name in ("default", "none") else 1.3
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, linewidth=width, label=name)
+            width = 2.4 if name.split("/")[0] in ("default", "none") else 1.3
+            color = colors[list(METHODS).index(name.split("/")[0]) % len(colors)]
+            style = "--" if name.endswith("/oldest") else "-"
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, linewidth=width, label=name, color=color,
+                        linestyle=style)  # fmt: skip
         ax.set_xticks(range(len(GRID)), [str(s) for s in GRID])
         ax.set_xlabel("staleness S (versions)")
         metric = data["metric"][panel.split(" ")[0]]
@@ -270,8 +278,13 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench staleness") 
     runs: list[dict[str, Any]] = []
     if args.resume and args.json.exists():
         runs = json.loads(args.json.read_text()).get("runs", [])
+    machines = []
     for path in args.merge:
-        runs += json.loads(path.read_text()).get("runs", [])
+        merged = json.loads(path.read_text())
+        runs += merged.get("runs", [])
+        machines.append(merged.get("machine"))
+    # runs merged from elsewhere, none made here: the machine they were made on
+    machine = machines[0] if machines and args.max_runs == 0 else None
     done = {_key(r) for r in runs}
     jobs = [j for j in _jobs(args) if _key(j) not in done]
     if args.max_runs >= 0:
@@ -282,7 +295,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench staleness") 
     jobs_of: dict[cf.Future, dict[str, Any]] = {}
 
     def save() -> dict[str, Any]:
-        data = assemble(runs, args, time.monotonic() - t0)
+        data = assemble(runs, args, time.monotonic() - t0, machine)
         data["errors"] = errors
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(".tmp")
