@@ -30,6 +30,8 @@ class VersionSlot:
 
     buckets: dict[int, Bucket] = field(default_factory=dict)
     aborted: bool = False
+    complete: bool = False
+    """No bucket will be added (a publisher's own version, or a finished pull): a bucket not here never comes."""
 
 
 def new_bucket_memory(nbytes: int, name: str) -> tuple[int, memoryview]:
@@ -92,6 +94,13 @@ class BucketStore:
             slot = self._versions.setdefault(version, VersionSlot())
             slot.aborted = False
 
+    def mark_complete(self, version: int) -> None:
+        """Every bucket of ``version`` this process will hold is here: servers answer for the others at once."""
+        with self._cond:
+            slot = self._versions.setdefault(version, VersionSlot())
+            slot.complete = True
+            self._cond.notify_all()
+
     def abort(self, version: int) -> None:
         """The rest of ``version`` will not come here: servers waiting on it stop waiting."""
         with self._cond:
@@ -111,6 +120,7 @@ class BucketStore:
                     stop.is_set()
                     or (slot := self._versions.get(version)) is None
                     or slot.aborted
+                    or slot.complete
                     or index in slot.buckets
                 ),
                 timeout_s,

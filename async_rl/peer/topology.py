@@ -8,7 +8,8 @@ child runs :data:`_PICK_LUA`, which, atomically,
 
 - drops entries whose ``exp`` passed (a dead peer leaves within its TTL; one whose port refuses leaves at
   once, reported by the child that found it);
-- counts each peer's live children, and keeps peers with a free slot (``fanout``), that are not the caller's
+- counts each peer's live children, and keeps peers that hold or receive (have a parent) the caller's next bucket (a
+  publishing rank holds only its own range ``lo``..``hi``), with a free slot (``fanout``), that are not the caller's
   own descendants (it walks ``parent`` links: no cycles), that the caller did not exclude (unreachable,
   or sent a corrupt bucket);
 - prefers a peer on the caller's host; then any generator over a publisher (depth 0: its uplink feeds only
@@ -30,13 +31,14 @@ from typing import Any
 
 import redis
 
-# KEYS: relays hash; ARGV: me, then excluded ids. Returns {id, tcp, unix, host, depth} or nil.
+# KEYS: relays hash; ARGV: me, the next bucket wanted, then excluded ids. Returns {id, tcp, unix, host, depth} or nil.
 _PICK_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me = ARGV[1]
+local want = tonumber(ARGV[2])
 local ex = {}
-for i = 2, #ARGV do ex[ARGV[i]] = true end
+for i = 3, #ARGV do ex[ARGV[i]] = true end
 local raw = redis.call('HGETALL', KEYS[1])
 local e = {}
 for i = 1, #raw, 2 do
@@ -67,7 +69,10 @@ local function below_me(id)
 end
 local best, bkey = nil, nil
 for id, d in pairs(e) do
-  if id ~= me and not ex[id] and (d.host == mine.host or (kids[id] or 0) < d.fanout) and not below_me(id) then
+  local holds = (tonumber(d.lo) or -1) < 0 or (want >= d.lo and want < d.hi)
+  local fed = d.done == 1 or d.parent ~= ''
+  if id ~= me and not ex[id] and holds and fed and (d.host == mine.host or (kids[id] or 0) < d.fanout)
+     and not below_me(id) then
     local key = {d.host == mine.host and 0 or 1, d.depth == 0 and 1 or 0, d.done == 1 and 0 or 1, d.depth, -d.have}
     local better = best == nil
     if not better then
@@ -125,6 +130,9 @@ class RelayEntry:
     depth: int = 0
     have: int = 0
     done: int = 0
+    lo: int = -1
+    """A publishing rank's buckets are [lo, hi) (each rank holds its own); -1: every bucket of the version."""
+    hi: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,9 +191,10 @@ class Topology:
         for version, entry in list(self.entries.items()):
             self._write(version, entry)
 
-    def pick(self, version: int, exclude: set[str]) -> Source | None:
-        """Choose (and record) this peer's parent for ``version``; None when no peer can take it now."""
-        got = self._pick(keys=[self.relays_key(version)], args=[self.peer_id, *sorted(exclude)])
+    def pick(self, version: int, want: int, exclude: set[str]) -> Source | None:
+        """Choose (and record) this peer's parent for ``version`` from bucket ``want`` on; None when no peer holding
+        that bucket can take it now."""
+        got = self._pick(keys=[self.relays_key(version)], args=[self.peer_id, want, *sorted(exclude)])
         if not got:
             return None
         peer_id, tcp, unix, host, depth = (x.decode() if isinstance(x, bytes) else str(x) for x in got)

@@ -9,7 +9,7 @@
   again); a bucket that does not match is never held or served and is fetched again from another source.
 - **Failure.** A source that refuses the connection, breaks it or stalls is left for another one, and the
   pull resumes at the bucket it was on; a source whose port refuses is removed from the tree at once.
-  After ``MAX_ATTACHES`` attachments, or ``timeout_s`` without any source, the pull fails with the
+  After ``MAX_FAILURES`` failed sources, or ``timeout_s`` without any source, the pull fails with the
   addresses it tried, and the reader's ``get`` raises :class:`TransportError`.
 - **One host.** A source with the same host id (boot id + network namespace) hands over the memfd
   itself through an abstract Unix socket; the child maps it (no copy) and hashes it.
@@ -57,8 +57,8 @@ from async_rl.transport import BucketCorrupt, BucketMissing, BucketTransport, Tr
 
 log = logging.getLogger(__name__)
 
-# Attachments one pull may make (re-attaches after failures included) before it gives up on the version.
-MAX_ATTACHES = 32
+# Sources that may fail one pull (broken, stalled, corrupt, busy) before it gives up on the version.
+MAX_FAILURES = 32
 # Chunk handed to recv_into and the hasher: large enough to amortise calls, small enough to stay in cache.
 RECV_CHUNK_BYTES = 1 << 20
 
@@ -162,9 +162,9 @@ class PeerTransport(BucketTransport):
     def bytes_sent(self) -> int:
         return self.server.bytes_sent
 
-    def _entry(self, *, done: int, have: int, depth: int = 0) -> RelayEntry:
+    def _entry(self, *, done: int, have: int, depth: int = 0, lo: int = -1, hi: int = -1) -> RelayEntry:
         return RelayEntry(tcp=self.tcp_address, unix=self.server.unix_name, host=self.host,
-                          fanout=self.server.fanout, depth=depth, have=have, done=done)  # fmt: skip
+                          fanout=self.server.fanout, depth=depth, have=have, done=done, lo=lo, hi=hi)  # fmt: skip
 
     def _heartbeat(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
@@ -182,8 +182,13 @@ class PeerTransport(BucketTransport):
             checksum = 0  # a source's buckets are its own; children verify against the manifest
             first = not self.store.has_version(version)
             self.store.add(version, index, Bucket(fd, view, data.nbytes, checksum))
-            if first:  # held until the publisher's prune deletes it (a delta's base may stay for many versions)
-                self.topology.put(version, self._entry(done=1, have=0))
+            # Readers come only after the manifest, i.e. after every put: a bucket this rank lacks is another's.
+            self.store.mark_complete(version)
+            entry = self.topology.entries.get(version)
+            if first or entry is None:  # held until the publisher's prune deletes it (a delta's base may stay long)
+                self.topology.put(version, self._entry(done=1, have=1, lo=index, hi=index + 1))
+            else:  # a rank writes consecutive buckets (WeightPublisher.write_rank's first_bucket on)
+                self.topology.update(version, have=entry.have + 1, lo=min(entry.lo, index), hi=max(entry.hi, index + 1))
 
         await asyncio.to_thread(copy_in)
 
@@ -276,13 +281,13 @@ class PeerTransport(BucketTransport):
         self.topology.put(v, self._entry(done=0, have=index, depth=1 << 20))
         exclude: set[str] = set()
         tried: list[str] = []
-        attaches = 0
+        failures = 0
         deadline = time.monotonic() + self.timeout_s
         backoff_s = 0.05
         while index < n:
             if self._stop.is_set():
                 raise TransportError(f"peer transport closed while pulling weights version {v}")
-            source = self.topology.pick(v, exclude)
+            source = self.topology.pick(v, index, exclude)
             if source is None:
                 if time.monotonic() > deadline:
                     raise TransportError(f"no peer could serve bucket {index} of weights version {v} within "
@@ -291,18 +296,18 @@ class PeerTransport(BucketTransport):
                 self._stop.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, 1.0)
                 continue
-            attaches += 1
-            if attaches > MAX_ATTACHES:
-                raise TransportError(f"weights version {v}: gave up at bucket {index} after {MAX_ATTACHES} "
-                                     f"sources; tried {tried}")  # fmt: skip
-            if attaches > 1:
-                self.num_reattaches += 1
+            if failures > MAX_FAILURES:
+                raise TransportError(f"weights version {v}: gave up at bucket {index} after {MAX_FAILURES} "
+                                     f"failed sources; tried {tried}")  # fmt: skip
             tried.append(f"{source.peer_id}@{source.tcp}")
             log.debug("weights v%d: %s pulls from %s (depth %d) from bucket %d", v, self.peer_id, source.peer_id,
                       source.depth, index)  # fmt: skip
             start = index
             try:
                 index = self._stream_from(source, pull, index, loop)
+                exclude.add(source.peer_id)  # it holds nothing further (a rank's range ended); done otherwise
+                deadline, backoff_s = time.monotonic() + self.timeout_s, 0.05
+                continue
             except BucketCorrupt as exc:
                 log.warning("weights v%d: %s from %s; fetching it from another source", v, exc, source.tcp)
                 exclude.add(source.peer_id)
@@ -315,12 +320,15 @@ class PeerTransport(BucketTransport):
                 log.warning("weights v%d: source %s at %s failed at bucket %d: %r; re-attaching", v,
                             source.peer_id, source.tcp, self._resume_at(v, n), exc)  # fmt: skip
                 exclude.add(source.peer_id)
+            failures += 1
+            self.num_reattaches += 1
             if pull.failed_at == 0.0:
                 pull.failed_at = time.monotonic()
             index = self._resume_at(v, n)
             if index > start:
                 deadline = time.monotonic() + self.timeout_s
                 backoff_s = 0.05
+        self.store.mark_complete(v)
         self.topology.update(v, parent="", done=1, have=n)
         for old in self.store.retire_older(v):
             self.topology.leave(old)
@@ -368,6 +376,8 @@ class PeerTransport(BucketTransport):
                 if status in (MISSING, BUSY):
                     for fd in fds:
                         os.close(fd)
+                    if status == MISSING and index > start:
+                        return index  # the end of what this source holds (a publishing rank's range): move on
                     raise ProtocolError(f"source {'busy' if status == BUSY else 'does not hold it'}")
                 if status != OK or got_index != index or nbytes != pull.sizes[index]:
                     for fd in fds:

@@ -87,7 +87,7 @@ async def test_corrupt_bucket_from_a_peer_is_refused_and_fetched_from_another(
     child = _peer(servers, names, fanout=1)
     try:
         manifest = await _publisher(redis_client, pub_t, names).publish(src, 1)
-        # A real peer that holds the version with bucket 2 flipped, and claims to be the best source.
+        # A real peer that holds the version with bucket 2 flipped, and claims to be a finished generator (preferred).
         for i in range(manifest.num_buckets):
             fd, view = new_bucket_memory(manifest.buckets[i].nbytes, "bad")
             view[:] = pub_t.store.get(1, i).view  # type: ignore[union-attr]
@@ -95,7 +95,7 @@ async def test_corrupt_bucket_from_a_peer_is_refused_and_fetched_from_another(
                 view[17] ^= 0xFF
             bad.store.add(1, i, Bucket(fd, view, view.nbytes, 0))
         bad.topology.put(1, RelayEntry(tcp=bad.tcp_address, unix=bad.server.unix_name, host=bad.host, fanout=1,
-                                       depth=0, have=manifest.num_buckets, done=1))  # fmt: skip
+                                       depth=1, have=manifest.num_buckets, done=1))  # fmt: skip
         fetched = await WeightReader(redis_client, child, names).fetch(1)
         assert _same(src, fetched.tensors)
         assert child.num_corrupt == 1 and child.num_reattaches == 1
@@ -167,6 +167,27 @@ async def test_relay_killed_mid_transfer_child_reattaches_and_resumes(
         await pub_t.close()
 
 
+async def test_each_publishing_rank_serves_its_own_buckets(
+    servers: ServerSet, names: Names, redis_client: aioredis.Redis
+) -> None:
+    buckets = [os.urandom(BUCKET_BYTES - 7 * i) for i in range(6)]
+    await _write_manifest(redis_client, names, 1, buckets)
+    ranks = [_peer(servers, names, fanout=1) for _ in range(2)]  # rank r writes buckets 3r..3r+2
+    kids = [_peer(servers, names, fanout=1) for _ in range(2)]
+    try:
+        for i, b in enumerate(buckets):
+            await ranks[i // 3].put(1, i, memoryview(b))
+        got = await asyncio.gather(
+            *(asyncio.gather(*(k.get(1, i) for i in range(len(buckets)))) for k in kids)
+        )  # fmt: skip
+        assert all([bytes(v) for v in views] == buckets for views in got)
+        assert [r.bytes_sent for r in ranks] == [sum(map(len, buckets[:3])), sum(map(len, buckets[3:]))]
+        assert all(k.num_reattaches == 0 for k in kids)  # moving to the next rank is not a failure
+    finally:
+        for t in [*kids, *ranks]:
+            await t.close()
+
+
 async def test_late_joiner_pulls_from_a_peer_even_with_the_publisher_gone(
     servers: ServerSet, names: Names, redis_client: aioredis.Redis
 ) -> None:
@@ -213,7 +234,7 @@ def test_fanout_bench_tiny(tmp_path: Path) -> None:
     out = tmp_path / "fanout.json"
     proc = subprocess.run(
         [sys.executable, "-m", "actors.commands.cli", "bench", "fanout", "--hosts", "1,2", "--model-gb", "0.004",
-         "--bucket-mb", "1", "--json", str(out), "--kill-relay"],
+         "--bucket-mb", "1", "--link-gbps", "0.1", "--json", str(out), "--kill-relay"],
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -416,6 +416,10 @@ async def _kill_first_relay(pub: Worker, gens: list[Worker], num_buckets: int, t
                 await victim.proc.wait()
                 return {"host": victim.host, "at_s": round(time.time() - t0, 3), "had_buckets": e["have"],
                         "of_buckets": num_buckets}  # fmt: skip
+        gens_seen = [e for e in relays.values() if e["depth"] > 0]
+        if len(gens_seen) == len(gens) and all(e["done"] for e in gens_seen):
+            raise RuntimeError("--kill-relay: every generator finished before a relay could be killed mid-transfer; "
+                               "use a larger --model-gb or a slower --link-gbps")  # fmt: skip
         await asyncio.sleep(0.005)
     raise RuntimeError("--kill-relay: no relay reached a third of the buckets within 60 s")
 
