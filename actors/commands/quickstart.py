@@ -35,8 +35,9 @@ at 5e-4 after ~1,520, and 7 of 7 runs decayed from 1e-3 to 1e-4 stayed within 0.
 1e-3: with real processes 1e-3 failed 2 of 6 quickstarts within 400 steps (one collapsed at step ~270, one froze
 half-solved), 5e-4 reached 0.9 in 4 of 4 in 242-251 steps (docs/quickstart/README.md). S=4 since issue 18: with
 exactly S-stale batches (``async-rl bench staleness``, 3 seeds) the default loss ends within 0.011 of S=0's exact-match
-rate at S=4 and S=8 and reaches 0.9 in 1.07x S=0's steps (docs/benchmarks/staleness-*.json); an S=4 collapse near
-0.72 seen before it was at the old constant lr 1e-3."""
+rate at S=4 and S=8 and reaches 0.9 in 1.07x S=0's steps (docs/benchmarks/staleness-*.json); two quickstarts at S=4
+reached 0.9 in 242 and 243 steps (tokens 3.6 versions stale on average). The S=4 collapse near 0.72 seen before was
+at the old constant lr 1e-3."""
 GENERATOR_ARGS = ["torch.model.name=tiny-moe", "task.name=copy", "torch.num_threads=1", "torch.max_batch_prompts=16"]
 """Batches of half a learner step per generator keep staleness low (a 64-prompt batch spans two learner steps)."""
 HEADLINE = "reward/exact"
