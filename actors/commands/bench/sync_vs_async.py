@@ -38,6 +38,8 @@ OWN_KEYS = ("model.name", "task.name", "torch.device", "metrics.wandb_mode", "st
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--plot", type=Path, default=None, help="exact-match rate against wall time, one line per run")
+    p.add_argument("--plot-only", action="store_true", help="redraw --plot from an existing --json and exit")
     p.add_argument("--staleness", default="2,4,8", help="comma-separated S of the asynchronous runs")
     p.add_argument("--generators", type=int, default=2)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -88,6 +90,11 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> i
     from actors.commands.bench import loop
 
     args = parse_args(argv, prog)
+    if args.plot_only:
+        if args.plot is None:
+            raise SystemExit(f"{prog}: --plot-only needs --plot")
+        plot(json.loads(args.json.read_text()), args.plot)
+        return 0
     runs: dict[str, dict[str, Any]] = {}
     plans = [("sync", ["staleness.max_staleness=0", "staleness.sync=true", "admission_lag_versions=0"])]
     plans += [(f"async-{s}", [f"staleness.max_staleness={s}"]) for s in args.staleness]
@@ -108,5 +115,38 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> i
            "runs": runs}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
+    if args.plot:
+        plot(out, args.plot)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
     return 0 if best is not None and not any(r["tracebacks"] for r in runs.values()) else 1
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Exact-match rate (5-step mean) against wall time from process start, one line per run, the target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for name, run in data["runs"].items():
+        curve = run.get("reward_curve") or []
+        if not curve:
+            continue
+        t = [row[1] for row in curve]
+        exact = [row[3] for row in curve]
+        smooth = [sum(exact[max(0, i - 4) : i + 1]) / len(exact[max(0, i - 4) : i + 1]) for i in range(len(exact))]
+        wall = run.get("wall_to_target_s")
+        label = f"{name}: {wall:.0f} s" if wall is not None else f"{name}: not reached"
+        ax.plot(t, smooth, lw=2.2 if name == "sync" else 1.5, ls="--" if name == "sync" else "-", label=label)
+    ax.axhline(data["target"], color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("wall time from process start (s)")
+    ax.set_ylabel("exact-match rate (5-step mean)")
+    best = data.get("best_async_vs_sync")
+    ratio = f"best async / sync = {best:.2f}" if best is not None else "no async run reached the target"
+    ax.set_title(f"sync vs async to {data['target']}: {data['machine']}\n{ratio}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
