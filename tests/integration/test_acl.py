@@ -16,6 +16,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from actors.commands.acl import main as acl_main
 from async_rl.names import Names
+from async_rl.peer.topology import RelayEntry, Topology
 from async_rl.servers import EmbeddedServer, _spawn, free_port, valkey_binary
 from async_rl.transport import RedisTransport
 from async_rl.weights import WeightPublisher, WeightReader
@@ -83,6 +84,18 @@ async def test_each_role_runs_its_code_paths_and_nothing_more(locked: tuple[Name
         assert torch.equal(fetched.tensors["w"], weights["w"])
         assert await gen_reader.request_full()  # a late joiner may ask for a full version, and nothing else
         assert await learner.zcard(names.weights_want_full) == 1
+        # Peer relay: two generators register as sources of v0 and one picks the other as its parent.
+        sync_gen = redis.Redis.from_url(urls["generator"])
+        try:
+            a = Topology(sync_gen, names.weights_relays, "gen-a", ttl_s=30)
+            b = Topology(sync_gen, names.weights_relays, "gen-b", ttl_s=30)
+            a.put(0, RelayEntry(tcp="10.0.0.1:1", unix="", host="h1", fanout=2, have=1, done=1, lo=0, hi=1))
+            b.put(0, RelayEntry(tcp="10.0.0.2:1", unix="", host="h2", fanout=2))
+            src = b.pick(0, want=0, exclude=set())
+            assert src is not None and src.peer_id == "gen-a"
+            b.leave(0)
+        finally:
+            sync_gen.close()
         # Learner: reads, checks, commits.
         r = RolloutReader(learner, names, checker=EntryChecker(FACTS, num_samples=2, max_version=0),
                           check_issued=True)  # fmt: skip
