@@ -48,7 +48,7 @@ RECIPE = ["model.name=tiny-moe", "task.name=copy", "batch_groups=32", "sampling.
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
     p.add_argument("--json", type=Path, default=None, help="write the results here")
-    p.add_argument("--model", default="tiny-moe", help=f"one of {', '.join(MODELS)} (moe-107m: 107M parameters)")
+    p.add_argument("--model", default="tiny-moe", help=f"one of {', '.join(MODELS)} (moe-107m: the 107M-parameter GPU benchmark preset)")
     p.add_argument("--steps", type=int, default=60, help="training steps per mode (>= 50 for the delta median)")
     p.add_argument("--batch-groups", type=int, default=32, help="groups per step (8 samples each)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW lr (the quickstart's)")
@@ -69,21 +69,6 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     if not args.modes or any(m not in ("blocking", "background") for m in args.modes):
         p.error("--modes must name blocking and/or background")
     return args
-
-
-def _model_name(name: str, tmp: Path) -> str:
-    """A preset as is; ``moe-107m`` written as a local model directory (the ``bench loop`` model)."""
-    if name != "moe-107m":
-        return name
-    from async_rl.models import build_model, save_pretrained_dir, tiny_moe_config
-
-    cfg = tiny_moe_config(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
-                          num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=4,
-                          moe_intermediate_size=256)  # fmt: skip
-    path = tmp / "moe-107m"
-    if not (path / "config.json").is_file():
-        save_pretrained_dir(path, build_model(cfg, seed=0))
-    return str(path)
 
 
 class _Trainer:
@@ -284,8 +269,6 @@ def _machine(device: str) -> str:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    import tempfile
-
     import torch
 
     from async_rl.servers import ensure_servers
@@ -293,9 +276,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     servers = ensure_servers(args.redis_url, None)
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-publish-") as tmp:
-            model = _model_name(args.model, Path(tmp))
-            modes = {m: await _mode(m, args, model, servers.redis_url) for m in args.modes}
+        modes = {m: await _mode(m, args, args.model, servers.redis_url) for m in args.modes}
     finally:
         servers.stop()
     result: dict[str, Any] = {}
