@@ -33,6 +33,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from actors.commands.bench.report import emit
+
 NS_PREFIX = "arlfo-"
 SWITCH_NS = NS_PREFIX + "sw"
 SUBNET = "10.77.0"
@@ -535,11 +537,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench fanout") -> 
         print(problem, file=sys.stderr)
         return 2
     result = asyncio.run(_drive(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit(result, args.json)
     return 0
 
 

@@ -193,11 +193,11 @@ def tracebacks(run_dir: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl bench loop") -> int:
+    from actors.commands.bench.report import emit
+
     args = parse_args(argv, prog)
     summary = asyncio.run(run_loop(args))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(summary, indent=1))
-    print(json.dumps({k: v for k, v in summary.items() if k != "reward_curve"}, indent=1))
+    emit(summary, args.json, print_skip=("reward_curve",))
     done = summary["steps"] >= args.steps or (args.target and summary.get("wall_to_target_s") is not None)
     return 0 if done and not summary["tracebacks"] else 1
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -37,6 +36,8 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from actors.commands.bench.report import emit
 
 MODELS = ("tiny-moe", "small-moe", "moe-107m")
 # The quickstart's learner recipe (actors/commands/quickstart.py), less what needs servers or a run directory.
@@ -311,11 +312,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None, prog: str = "async-rl bench publish") -> int:
     args = parse_args(argv, prog)
     result = asyncio.run(_run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit(result, args.json)
     return 0
 
 

@@ -88,6 +88,7 @@ def pick(summary: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> int:
     from actors.commands.bench import loop
+    from actors.commands.bench.report import emit
 
     args = parse_args(argv, prog)
     if args.plot_only:
@@ -113,11 +114,9 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> i
     out = {"bench": "async", "machine": runs["sync"]["machine"], "device": args.device, "generators": args.generators,
            "target": args.target, "recipe": recipe()[1], "sync": sync, "async": asyncs, "best_async_vs_sync": best,
            "runs": runs}  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    emit(out, args.json, print_skip=("runs",))
     if args.plot:
         plot(out, args.plot)
-    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
     return 0 if best is not None and not any(r["tracebacks"] for r in runs.values()) else 1
 
 

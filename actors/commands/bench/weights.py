@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import platform
 import sys
@@ -29,6 +28,8 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from actors.commands.bench.report import emit
 
 GB = 1e9
 SMALL_FACTOR = 10
@@ -320,11 +321,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None, prog: str = "async-rl bench weights") -> int:
     args = _parse(argv, prog)
     result = asyncio.run(_run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit(result, args.json)
     return 0
 
 
