@@ -28,6 +28,9 @@ pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[2]
+MAX_STEPS = 1500
+"""Long enough for the controller to add the second generator: with weights published in the background a learner
+step here takes ~0.06 s, and at 300 steps the run ended 20 s in, before the autoscaled node came up."""
 
 
 def _autoscaling_config(gcs_address: str) -> dict:  # type: ignore[type-arg]
@@ -111,7 +114,7 @@ def test_ray_generators_follow_the_learner_and_leave_with_the_run(ray_cluster: t
     procs = Procs(servers, names, tmp_path / "run")
     try:
         # A starved learner (one CPU generator is much slower than it) suggests more generators, capped at two.
-        procs.learner("max_steps=300", "scaling.window_steps=3", "scaling.max_generators=2")
+        procs.learner(f"max_steps={MAX_STEPS}", "scaling.window_steps=3", "scaling.max_generators=2")
         ctl_log = tmp_path / "controller.log"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
         with ctl_log.open("wb") as out:
@@ -140,7 +143,7 @@ def test_ray_generators_follow_the_learner_and_leave_with_the_run(ray_cluster: t
         assert len(exits) == 2, tails()
         nodes = {line.split(" on node ")[1].split()[0] for line in exits}
         assert len(nodes) == 2, exits  # one autoscaled node per actor: the head has no 'generator' resource
-        assert f"run {names.prefix} ended at step 300 (max_steps); every generator has exited" in text
+        assert f"run {names.prefix} ended at step {MAX_STEPS} (max_steps); every generator has exited" in text
     finally:
         procs.close()
         if "ctl" in locals() and ctl.poll() is None:
