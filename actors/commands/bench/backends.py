@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--backends", default="megatron,torch", help="comma-separated: megatron, torch")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step of each backend")
+    ap.add_argument("--default-settings-only", action="store_true",
+                    help="only Megatron with SDPA + grouped experts and torch without checkpointing (large models: "
+                         "the sequential-experts settings take minutes a step)")
     args = ap.parse_args(argv)
     for name in ("layers", "hidden", "experts", "top_k", "moe_ffn", "vocab", "seq", "batch", "micro_batches", "steps"):
         if getattr(args, name) <= 0:
@@ -142,6 +145,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
 
         settings: tuple[tuple[Any, Any, bool], ...] = (("sdpa", "grouped", False), ("sdpa", "sequential", False), ("unfused", "sequential", False),
                     ("sdpa", "grouped", True))  # fmt: skip
+        if args.default_settings_only:
+            settings = settings[:1]
         for attention, experts, recompute in settings:
             torch.cuda.reset_peak_memory_stats()
             mcfg = MegatronConfig(dtype="bfloat16", recompute=recompute, lr=1e-5, attention=attention, experts=experts)
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
         from actors.learner.config import TorchBackendConfig
         from actors.learner.torch_backend import TorchBackend
 
-        for ckpt in (False, True):
+        for ckpt in (False,) if args.default_settings_only else (False, True):
             torch.cuda.reset_peak_memory_stats()
             model = build_hf(cfg, dtype=torch.bfloat16, device="cuda")
             tb = TorchBackend(model, TorchBackendConfig(dtype="bfloat16", device="cuda", lr=1e-5,
