@@ -94,6 +94,9 @@ class BucketTransport(abc.ABC):
     """Moves the bytes of one weight bucket; keyed by (version, bucket index)."""
 
     name: ClassVar[str]
+    durable: ClassVar[bool] = True
+    """The bytes outlive the process that put them (Redis, shared memory). False (``peer://``): they leave with it,
+    so a restarted learner publishes its weights again rather than pointing generators at a version nobody holds."""
 
     @abc.abstractmethod
     async def put(self, version: int, index: int, data: memoryview) -> None:

@@ -203,10 +203,19 @@ class WeightSync:
         return True
 
     async def _sync_to(self, target: int) -> bool:
-        """Fetch, verify and stage ``target``; True when staged. Transient errors are retried here."""
+        """Fetch, verify and stage ``target``; True when staged. Transient errors are retried here. :meth:`stop`
+        cancels it at once (a fetch can wait a minute for a source, ``peer://`` with none up): nothing of it is
+        staged then."""
+        work = asyncio.ensure_future(self._try_sync_to(target))
+        stopped = asyncio.ensure_future(self._stop.wait())
         try:
-            return await self._try_sync_to(target)
+            done, _ = await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            return work.result() if work in done else False
         finally:
+            stopped.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
             async with self._progress:
                 self._progress.notify_all()
 

@@ -215,6 +215,12 @@ class Learner:
             log.warning("weights v%d-v%d came from steps lost with the previous learner; the restored step %d "
                         "is published as v%d", self.state.version + 1, latest, self.state.step, latest + 1)  # fmt: skip
             self.state.version = latest + 1
+        elif latest is not None and latest == self.state.version and not transport.durable:
+            # The bytes of the visible version left with the previous learner's process (peer://): generators that
+            # start now, or miss a delta, would find no source. The restored weights go out again, as a new number.
+            log.info("weights v%d were served by the previous learner (transport %s keeps no bytes): the restored "
+                     "step %d is published as v%d", latest, transport.name, self.state.step, latest + 1)  # fmt: skip
+            self.state.version = latest + 1
         if latest is None or latest < self.state.version:
             await self._publish(wait=True)
         else:

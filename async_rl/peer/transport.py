@@ -106,6 +106,7 @@ class PeerTransport(BucketTransport):
     """Buckets served by whoever holds them: the publisher, then every generator that received them."""
 
     name: ClassVar[str] = "peer"
+    durable: ClassVar[bool] = False  # the publisher's buckets live in its process (and in the peers that pulled them)
     names: Names
     peer_id: str
     timeout_s: float

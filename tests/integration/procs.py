@@ -24,6 +24,12 @@ GENERATOR_TEST_ARGS = [
     "torch.model.name=tiny-moe", "task.name=copy", "torch.num_threads=1", "torch.max_batch_prompts=8",
     "prompts.reclaim_idle_ms=3000", "read_block_ms=200", "heartbeat_interval_s=0.5",
 ]  # fmt: skip
+TRANSPORT = os.environ.get("ASYNC_RL_TEST_TRANSPORT", "")
+"""The weights data plane every learner and generator of these tests uses (empty: the default, Redis). Set
+``ASYNC_RL_TEST_TRANSPORT='peer://0.0.0.0:0?fanout=2'`` to run the end-to-end and chaos tests over the peer relay."""
+if TRANSPORT:
+    LEARNER_TEST_ARGS.append(f"transport.url={TRANSPORT}")
+    GENERATOR_TEST_ARGS.append(f"transport.url={TRANSPORT}")
 
 
 class Procs:

@@ -45,3 +45,32 @@ def test_killed_between_publish_and_checkpoint_resumes_on_a_new_version(procs: P
         assert published() == rows[-1]["version"]
     finally:
         client.close()
+
+
+def test_restart_over_peer_transport_publishes_the_restored_weights_again(procs: Procs, servers: ServerSet,
+                                                                          names: Names) -> None:  # fmt: skip
+    """peer:// keeps a version's bytes in the processes that hold it: after the learner (and every generator) went
+    away, the visible version had no source. The restarted learner publishes its restored weights again as a new
+    version, and a generator started after it gets on weights."""
+    peer = "transport.url=peer://127.0.0.1:0?fanout=2"
+    client = redis.Redis.from_url(servers.redis_url)
+
+    def published() -> int:
+        return int(client.get(names.weights_latest) or -1)
+
+    try:
+        procs.learner("max_steps=6", peer)
+        procs.generator("gen-0", peer)
+        procs.wait_for("the run to end", lambda: procs.procs["learner"].poll() is not None, timeout_s=240)
+        assert procs.procs["learner"].returncode == 0, procs.tails()
+        procs.stop("gen-0")
+        before = published()
+        procs.learner("max_steps=40", peer, name="learner-2")
+        again = f"weights v{before} were served by the previous learner (transport peer keeps no bytes)"
+        procs.wait_for("the restored weights out again", lambda: again in procs.log("learner-2"), timeout_s=240)
+        procs.wait_for("a version past the visible one", lambda: published() > before, timeout_s=60)
+        procs.generator("gen-1", peer)
+        procs.wait_for("gen-1 on weights", lambda: "engine is on weights version" in procs.log("gen-1"), timeout_s=120)
+        assert procs.procs["learner-2"].poll() is None, procs.tails()
+    finally:
+        client.close()
