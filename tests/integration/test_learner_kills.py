@@ -23,7 +23,7 @@ from async_rl.servers import ServerSet
 from async_rl.wire import encode_group
 from buffer.entry_checks import ModelFacts
 from tests.integration.poison import ack_prompt, fields_of, take_prompts, valid_record
-from tests.integration.procs import Procs
+from tests.integration.procs import TRANSPORT, Procs
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,9 @@ def test_learner_killed_at_random_points_loses_and_repeats_nothing(procs: Procs,
     assert state["step"] == MAX_STEPS and c["trained"] == MAX_STEPS * BATCH == len(seen)
     assert trained == seen
     assert c["dead_lettered"] == 0  # valid groups: nothing reached the delivery limit
-    assert c["dropped_stale"] < 0.03 * c["issued"], c
+    # Over peer:// (ASYNC_RL_TEST_TRANSPORT) every restart publishes the restored weights again as a new version
+    # (the old one left with the killed learner), so the groups in flight at each of the 8 kills age one version more.
+    assert c["dropped_stale"] < (0.08 if TRANSPORT.startswith("peer") else 0.03) * c["issued"], c
     steps = [row["step"] for row in procs.metrics()]
     assert steps == list(range(1, MAX_STEPS + 1)), steps  # one row per committed step, none lost, none twice
     logs = "".join(procs.log(f"learner-{k}") for k in range(NUM_KILLS + 1))
