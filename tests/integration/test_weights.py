@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,7 @@ from async_rl.weights import (
     WeightPublisher,
     WeightReader,
 )
+from tests.integration.killing import kill_mid_version
 
 
 def _model(seed: int, scale: int = 1) -> dict[str, torch.Tensor]:
@@ -139,23 +137,8 @@ _KILLED_PUBLISHER = textwrap.dedent(
 async def test_killed_publisher_leaves_an_invisible_version_that_is_cleaned(
     redis_client: aioredis.Redis, names: Names, servers: ServerSet
 ) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _KILLED_PUBLISHER, servers.redis_url, names.prefix, stdout=asyncio.subprocess.PIPE
-    )
-    try:
-        assert proc.stdout is not None
-        assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"v0"
-        deadline = time.monotonic() + 30
-        while await redis_client.exists(names.weights_bucket(1, 3)) == 0:  # a few buckets of v1 are written
-            assert time.monotonic() < deadline and proc.returncode is None, "publisher finished before it was killed"
-            await asyncio.sleep(0.005)
-        os.kill(proc.pid, signal.SIGKILL)
-        await asyncio.wait_for(proc.wait(), 10)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    code = await kill_mid_version(_KILLED_PUBLISHER, servers, names, redis_client, (b"v0",))
+    assert code == -signal.SIGKILL
     transport = RedisTransport(servers.redis_url, names)
     reader = WeightReader(redis_client, transport, names)
     assert await reader.latest_version() == 0

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
 import signal
-import sys
 import textwrap
-import time
 
 import pytest
 import redis.asyncio as aioredis
@@ -25,6 +21,7 @@ from async_rl.weights.background import BackgroundPublisher
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.manifest import Manifest
 from async_rl.weights.snapshot import Piece
+from tests.integration.killing import kill_mid_version
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -312,23 +309,8 @@ _KILLED_LEARNER = textwrap.dedent(
 async def test_learner_killed_mid_background_publish_leaves_no_half_version(
     redis_client: aioredis.Redis, names: Names, servers: ServerSet
 ) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _KILLED_LEARNER, servers.redis_url, names.prefix, stdout=asyncio.subprocess.PIPE
-    )
-    try:
-        assert proc.stdout is not None
-        assert (await asyncio.wait_for(proc.stdout.readline(), 120)).strip() == b"v0"
-        assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"v1 snapshot"
-        deadline = time.monotonic() + 60
-        while await redis_client.exists(names.weights_bucket(1, 3)) == 0:  # a few buckets of v1 are written
-            assert time.monotonic() < deadline and proc.returncode is None, "v1 never started going out"
-            await asyncio.sleep(0.005)
-        os.kill(proc.pid, signal.SIGKILL)
-        await asyncio.wait_for(proc.wait(), 10)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+    code = await kill_mid_version(_KILLED_LEARNER, servers, names, redis_client, (b"v0", b"v1 snapshot"))
+    assert code == -signal.SIGKILL
     reader = _reader(redis_client, servers, names)
     assert await reader.latest_version() == 0, "the publish finished before the kill: make v1 larger"
     with pytest.raises(VersionUnavailable):
