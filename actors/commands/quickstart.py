@@ -93,14 +93,16 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     return args
 
 
-def _spawn(cmd: list[str], log_path: Path, threads: int) -> subprocess.Popen:
+def spawn_role(cmd: list[str], log_path: Path, threads: int) -> subprocess.Popen:
+    """Start one role's process (``cmd``) with ``threads`` BLAS/torch threads, its output into ``log_path``."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false")  # fmt: skip
     fh = log_path.open("wb")
     return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
-def _stop(procs: list[subprocess.Popen], timeout_s: float) -> None:
+def stop_roles(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM every process still running, then SIGKILL what has not exited within ``timeout_s`` in all."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -240,10 +242,10 @@ async def _run(args: argparse.Namespace) -> int:
     await plane.subscribe(names.heartbeat_subject, on_event, kinds=(Heartbeat,))
     await plane.subscribe(names.learner_subject, on_event, kinds=(LearnerProgress,))
     procs: list[subprocess.Popen] = []
-    learner = _spawn(learner_cmd, run_dir / "learner.log", threads=1)
+    learner = spawn_role(learner_cmd, run_dir / "learner.log", threads=1)
     procs.append(learner)
     for i, gen_args in enumerate(generator_args):
-        procs.append(_spawn([*cli, *gen_args], run_dir / f"generator-{i}.log", threads=1))
+        procs.append(spawn_role([*cli, *gen_args], run_dir / f"generator-{i}.log", threads=1))
 
     def view() -> Table:
         alive = progress.alive(within_s=10.0)
@@ -281,7 +283,7 @@ async def _run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         outcome = "interrupted"
     finally:
-        _stop(procs, timeout_s=30.0)
+        stop_roles(procs, timeout_s=30.0)
         await plane.close()
         servers.stop()
     wall_s = time.time() - t_start

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -204,7 +203,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench loop") -> in
 
 async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
     """Run the loop ``args`` (of :func:`parse_args`) describes; returns its summary."""
-    from actors.commands.quickstart import _spawn, _stop
+    from actors.commands.bench.report import machine
+    from actors.commands.quickstart import spawn_role, stop_roles
     from async_rl.control import ControlPlane, Heartbeat, LearnerProgress, Message
     from async_rl.names import Names
     from async_rl.servers import ensure_servers
@@ -231,8 +231,8 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
     await plane.subscribe(names.learner_subject, on_event, kinds=(LearnerProgress,))
     threads = 1 if args.device == "cpu" else 4
     t0 = time.time()
-    procs = [_spawn(learner_cmd, run_dir / "learner.log", threads=threads)]
-    procs += [_spawn(cmd, run_dir / f"generator-{i}.log", threads=threads) for i, cmd in enumerate(gen_cmds)]
+    procs = [spawn_role(learner_cmd, run_dir / "learner.log", threads=threads)]
+    procs += [spawn_role(cmd, run_dir / f"generator-{i}.log", threads=threads) for i, cmd in enumerate(gen_cmds)]
     deadline = t0 + args.max_minutes * 60
     outcome = "time limit"
     try:
@@ -249,11 +249,11 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
                     outcome = "all generators exited"
                 break
     finally:
-        _stop(procs, timeout_s=30.0)
+        stop_roles(procs, timeout_s=30.0)
         await plane.close()
         servers.stop()
     summary: dict[str, Any] = {
-        "bench": "loop", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": _machine(args.device),
+        "bench": "loop", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(args.device),
         "model": args.model, "backend": args.backend, "device": args.device, "learner_nproc": args.learner_nproc,
         "generators": args.generators, "lr": args.lr, "learner_overrides": args.learner,
         "generator_overrides": args.generator, "outcome": outcome, "wall_s": round(time.time() - t0, 1),
@@ -261,12 +261,3 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
         "run_dir": str(run_dir),
     }  # fmt: skip
     return summary
-
-
-def _machine(device: str) -> str:
-    name = f"{platform.node()} ({os.cpu_count()} CPU cores)"
-    if device == "cuda":
-        import torch
-
-        name += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    return name

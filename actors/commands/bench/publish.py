@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from actors.commands.bench.report import emit
+from actors.commands.bench.report import emit, machine
 
 MODELS = ("tiny-moe", "small-moe", "moe-107m")
 # The quickstart's learner recipe (actors/commands/quickstart.py), less what needs servers or a run directory.
@@ -261,14 +261,6 @@ async def _mode(mode: str, args: argparse.Namespace, model: str, redis_url: str)
     return out
 
 
-def _machine(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)}; {os.cpu_count()} CPU cores; {platform.platform()}"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores (no GPU); {platform.platform()}"
-
-
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -297,7 +289,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                          "delta_bytes_ratio_le_0.15": result["delta_bytes_ratio"] <= 0.15,
                          "apply_exact": result["apply_exact"]}  # fmt: skip
     result["modes"] = modes
-    result["machine"] = _machine(args.device)
+    result["machine"] = machine(args.device)
     result["setup"] = {
         "model": args.model, "dtype": args.dtype, "device": args.device, "lr": args.lr, "steps": args.steps,
         "batch": f"{args.batch_groups} groups x 8 samples", "full_every": args.full_every,
