@@ -28,8 +28,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-FIELDS = ("wall_to_0_9_s", "steps_to_0_9", "learner_tokens_per_s", "generator_tokens_per_s", "learner_idle_frac",
-          "generator_idle_frac")  # fmt: skip
+FIELDS = {"wall_to_0_9_s": "wall_to_target_s", "steps_to_0_9": "steps_to_target",
+          **{k: k for k in ("learner_tokens_per_s", "generator_tokens_per_s", "learner_idle_frac", "generator_idle_frac",
+                            "tokens_by_staleness")}}  # fmt: skip
+"""This bench's field -> the ``bench loop`` summary field it is (the target is the 0.9 of the issue's names)."""
 OWN_KEYS = ("model.name", "task.name", "torch.device", "metrics.wandb_mode", "staleness.max_staleness", "torch.lr",
             "target_metric", "target_reward", "checkpoint.every", "batch_groups", "sampling.n")  # fmt: skip
 """Learner keys ``bench loop`` (or this bench) sets itself: the quickstart's values for them are not passed on."""
@@ -79,11 +81,7 @@ def loop_argv(args: argparse.Namespace, name: str, staleness: list[str]) -> list
 
 
 def pick(summary: dict[str, Any]) -> dict[str, Any]:
-    out = {k: summary.get(k) for k in FIELDS if not k.endswith("0_9_s") and k != "steps_to_0_9"}
-    out["wall_to_0_9_s"] = summary.get("wall_to_target_s")
-    out["steps_to_0_9"] = summary.get("steps_to_target")
-    out["tokens_by_staleness"] = summary.get("tokens_by_staleness")
-    return out
+    return {ours: summary.get(theirs) for ours, theirs in FIELDS.items()}
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> int:
