@@ -117,8 +117,6 @@ class Learner:
     _signals: LearnerSignals
     _publisher: WeightPublisher | None
     _weights: BackgroundPublisher | None
-    _publish_records: list[PublishRecord]
-    """Versions committed since the last step's metrics row."""
     _prompts: PromptQueue | None
     _reader: RolloutReader | None
     _metrics: MetricsLogger | None
@@ -144,7 +142,6 @@ class Learner:
         self._signals = LearnerSignals(cfg)  # /metrics and the scaling signal
         self._publisher = None
         self._weights = None
-        self._publish_records = []
         self._prompts = None
         self._reader = None
         self._metrics = None
@@ -378,8 +375,8 @@ class Learner:
         publishing = step % cfg.publish_every == 0
         if publishing:  # snapshot now; the last step of the run waits for its version to be out
             await self._publish(wait=bool(cfg.max_steps) and step >= cfg.max_steps)
-        committed, self._publish_records = self._publish_records, []
         assert self._weights is not None
+        committed = self._weights.take_records()
         metrics: dict[str, Any] = {
             **{f"loss/{k}": v for k, v in result.metrics.items()},
             **{f"adv/{k}": v for k, v in adv_metrics.items()},
@@ -533,7 +530,6 @@ class Learner:
         self.state.published_version = max(self.state.published_version, record.version)
         if self._checker is not None:
             self._checker.max_version = max(self._checker.max_version or 0, record.version)
-        self._publish_records.append(record)
         # The first version at start-up gets a line of its own; later ones are in their step's line.
         log.log(logging.INFO if self.state.step == 0 else logging.DEBUG,
                 "published weights v%d (%s, %.2f of %.2f MB) %.3fs after its snapshot", record.version, record.kind,

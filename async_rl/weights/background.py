@@ -104,11 +104,6 @@ class BackgroundPublisher:
         self._on_commit = on_commit
 
     @property
-    def busy(self) -> bool:
-        """A version is going out."""
-        return self._inflight is not None
-
-    @property
     def inflight_version(self) -> int | None:
         return None if self._inflight is None else self._inflight.version
 
