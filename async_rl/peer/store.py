@@ -77,7 +77,7 @@ class BucketStore:
             slot.buckets[index] = bucket
             self._cond.notify_all()
         if old is not None:
-            _close(old)
+            close_bucket(old)
 
     def get(self, version: int, index: int) -> Bucket | None:
         with self._cond:
@@ -142,7 +142,7 @@ class BucketStore:
             self._cond.notify_all()
         if slot is not None:
             for b in slot.buckets.values():
-                _close(b)
+                close_bucket(b)
 
     def retire_older(self, version: int) -> list[int]:
         """Drop versions older than the newest ``keep`` once ``version`` is complete; returns those dropped."""
@@ -158,7 +158,7 @@ class BucketStore:
             self.drop(v)
 
 
-def _close(b: Bucket) -> None:
+def close_bucket(b: Bucket) -> None:
     """Close the memfd; the mapping stays valid for whoever still holds a view of it (the reader's tensors)."""
     if b.fd >= 0:
         os.close(b.fd)

@@ -8,9 +8,9 @@ a crashed one holds nothing longer than ``lease_ttl_s``.
 A full version's tensors are views of the bucket buffers when one piece covers them (no copy), else assembled
 from their pieces. A delta version is applied onto the version the reader holds when that is its base (or a
 chain of deltas leads from it), else onto the newest full version its chain starts from, fetched first (a late
-joiner, a missed version). Every piece is checked against the learner's checksum of its full contents: a
-version is bit-exact or refused (:class:`CorruptVersion`); :meth:`WeightReader.request_full` then asks the
-publisher for a full version.
+joiner, a missed version). Every bucket is checked against its checksum before anything is built from it, and
+every piece a delta rebuilds against the learner's checksum of its full contents: a version is bit-exact or
+refused (:class:`CorruptVersion`); :meth:`WeightReader.request_full` then asks the publisher for a full version.
 """
 
 from __future__ import annotations
@@ -280,7 +280,9 @@ def _build_tensor(manifest: Manifest, t: ManifestTensor, buffers: list[memoryvie
             data = delta.decode(p.encoding, payload, old, nbytes, dtype.itemsize)
         except ValueError as exc:
             raise CorruptVersion(f"weights v{manifest.version} tensor {t.name!r}: {exc}") from None
-        got = hasher(data.data)
+        # A raw piece's bytes are those of its bucket, whose checksum was checked (_fetch_buckets): hashing them
+        # again would be a second pass over the whole version for nothing. Decoded pieces are new bytes: checked.
+        got = p.checksum if p.encoding == "raw" else hasher(data.data)
         if got != p.checksum:
             how = f"after applying the delta to v{manifest.base}" if p.encoding != "raw" else "as stored"
             raise CorruptVersion(f"weights v{manifest.version} tensor {t.name!r}: {manifest.checksum} {got:#x} "
