@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +93,17 @@ class ParamSlots:
             raise ValueError(f"incomplete or duplicated weights: {detail}{' ...' if len(wrong) > 5 else ''}")
 
     @torch.no_grad()
-    def copy_(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy checked ``tensors`` into the model (dtype cast and device move included)."""
-        for name, t in tensors.items():
-            self.slots[name].view.copy_(t, non_blocking=True)
+    def copy_(self, tensors: Mapping[str, torch.Tensor], pool: Executor | None = None) -> None:
+        """Copy checked ``tensors`` into the model (dtype cast and device move included), on ``pool``'s threads
+        when one is given (CPU: each copy releases the GIL)."""
+        if pool is None:
+            for name, t in tensors.items():
+                self.slots[name].view.copy_(t, non_blocking=True)
+            return
+
+        def one(item: tuple[str, torch.Tensor]) -> None:
+            with torch.no_grad():  # per thread: the caller's does not reach the pool's threads
+                self.slots[item[0]].view.copy_(item[1])
+
+        for _ in pool.map(one, tensors.items()):  # raises the first failure
+            pass

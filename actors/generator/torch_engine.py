@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -63,6 +64,8 @@ class TorchEngine(Engine):
     device: torch.device
     last_swap_pause_s: float
     """Time generation stood still for the last swap (a reference exchange under a lock)."""
+    last_load_s: float
+    """Time the last staged version took to copy into the standby model (generation goes on meanwhile)."""
     last_stage_error: str | None
     """Why the last staged version could not be loaded (None when it loaded)."""
     _active: PreTrainedModel
@@ -132,6 +135,7 @@ class TorchEngine(Engine):
         self._max_positions = int(getattr(self._active.config, "max_position_embeddings", 1 << 30))
         self._vocab_size = int(self._active.config.vocab_size)
         self.last_swap_pause_s = 0.0
+        self.last_load_s = 0.0
         self.last_stage_error = None
 
     # ---------------------------------------------------------------- Engine interface
@@ -237,6 +241,15 @@ class TorchEngine(Engine):
     # ---------------------------------------------------------------- weight swap
 
     def _loader_main(self) -> None:
+        threads = self.config.load_threads if self.device.type == "cpu" else 1
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="torch-engine-copy") if threads > 1 else None
+        try:
+            self._load_loop(pool)
+        finally:
+            if pool is not None:
+                pool.shutdown()
+
+    def _load_loop(self, pool: ThreadPoolExecutor | None) -> None:
         while True:
             with self._stage_cond:
                 while self._pending is None and not self._closed:
@@ -246,13 +259,13 @@ class TorchEngine(Engine):
                 tensors, version = self._pending  # type: ignore[misc]
                 self._pending = None
             try:
-                self._load_standby(tensors, version)
+                self._load_standby(tensors, version, pool)
                 self.last_stage_error = None
             except Exception as exc:  # a bad version must not kill the loader; the old weights stay
                 self.last_stage_error = f"version {version}: {exc!r}"
                 log.exception("could not load staged weight version %d; keeping version %d", version, self._version)
 
-    def _load_standby(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    def _load_standby(self, tensors: Mapping[str, torch.Tensor], version: int, pool: ThreadPoolExecutor | None) -> None:
         with self._swap_lock:
             self._ready_version = None  # the standby is about to be overwritten; an unapplied version is dropped
             standby, slots = self._standby, self._slots_standby
@@ -260,13 +273,15 @@ class TorchEngine(Engine):
             standby = self._new_standby()
             slots = ParamSlots(standby)
         assert slots is not None
+        t0 = time.perf_counter()
         if self.device.type == "cuda":
             stream = torch.cuda.Stream(device=self.device)
             with torch.cuda.stream(stream):
                 slots.copy_(tensors)
             stream.synchronize()
         else:
-            slots.copy_(tensors)
+            slots.copy_(tensors, pool)
+        self.last_load_s = time.perf_counter() - t0
         with self._swap_lock:
             self._standby, self._slots_standby = standby, slots
             if version <= self._version:

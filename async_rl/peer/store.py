@@ -50,11 +50,15 @@ def new_bucket_memory(nbytes: int, name: str) -> tuple[int, memoryview]:
 
 
 def map_received_fd(fd: int, nbytes: int) -> memoryview:
-    """A read-only mapping of a bucket's memfd received from a peer on this host (populated up front)."""
+    """A read-only mapping of a bucket's memfd received from a peer on this host.
+
+    Not populated up front: the checksum that follows touches every page, and its page faults (which map the
+    neighbouring pages too) run side by side on several threads, where ``MAP_POPULATE`` holds the process's
+    memory map lock. Mapping and hashing 1 GB in 256 MiB buckets on the 2-core machine: 0.12 s populated, one
+    thread or two; 0.07-0.08 s unpopulated on two threads."""
     if nbytes == 0:
         return memoryview(b"")
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return memoryview(mmap.mmap(fd, nbytes, flags, mmap.PROT_READ))
+    return memoryview(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ))
 
 
 class BucketStore:

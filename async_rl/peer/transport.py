@@ -64,8 +64,8 @@ MAX_FAILURES = 32
 # Chunk handed to recv_into and the hasher: large enough to amortise calls, small enough to stay in cache.
 RECV_CHUNK_BYTES = 1 << 20
 MAP_THREADS = max(1, min(4, os.cpu_count() or 1))
-"""One host: buckets mapped and hashed side by side (mmap and xxh3 release the GIL). One thread hashed a 1 GB
-version in ~0.13 s on the 2-core machine, half of a generator's fetch and apply."""
+"""One host: buckets mapped and hashed side by side (the GIL is released while hashing; the page faults of
+unpopulated mappings run in parallel, see :func:`~async_rl.peer.store.map_received_fd`)."""
 _map_threads: ThreadPoolExecutor | None = None
 
 

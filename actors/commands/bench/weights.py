@@ -205,6 +205,7 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
                             "transfer_and_verify_wait": round(fetched.transfer_s, 3),
                             "fetch_total": round(fetched.total_s, 3),
                             "stage_copy_and_swap": round(fetch_apply_s - fetched.total_s, 3),
+                            "engine_copy": round(engine.last_load_s, 3),
                         },
                         "publish_profile_s": {"pack_and_checksum": round(st.pack_s, 3), "put": round(st.put_s, 3)},
                     }
