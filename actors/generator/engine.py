@@ -5,7 +5,8 @@ logprob and weight version of every sampled token and, for MoE models, the exper
 MoE layer routed every token the engine ran through the model to. New weights are staged
 with :meth:`Engine.stage_weights` at any time (from another thread or task) and swapped in
 between engine steps, so a sequence that spans a swap keeps generating and its per-token
-versions say which tokens came from which version.
+versions say which tokens came from which version. An engine may also take a version tensor by tensor while
+its buckets are still arriving (:meth:`Engine.open_stage`), so that copying one bucket overlaps fetching the next.
 """
 
 from __future__ import annotations
@@ -98,9 +99,31 @@ class Engine(abc.ABC):
         version replaces an older one that was not applied yet.
         """
 
+    def open_stage(self, version: int, layout: Mapping[str, torch.Tensor]) -> StagingStream | None:
+        """Start staging ``version`` before its bytes are all here. ``layout`` holds every name with its shape
+        and dtype (meta tensors) and is checked now (ValueError); the tensors follow through the returned stream,
+        each once its bucket was verified. None: this engine takes whole versions only (:meth:`stage_weights`)."""
+        return None
+
     @abc.abstractmethod
     async def wait_applied(self, version: int, timeout_s: float | None = None) -> bool:
         """Wait until ``version`` (or newer) is in use; True if it is, False on timeout."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's resources."""
+
+
+class StagingStream(abc.ABC):
+    """A version handed to the engine in parts (:meth:`Engine.open_stage`); thread-safe."""
+
+    @abc.abstractmethod
+    def put(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Some of the version's tensors, verified; the engine keeps references until it copied them."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Every tensor was put: the version is staged as :meth:`Engine.stage_weights` would have staged it."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """The version will not complete (a bucket failed, the fetch was cancelled): nothing of it is used."""

@@ -19,6 +19,8 @@ Weight hot-swap: :meth:`TorchEngine.stage_weights` (any thread) checks the names
 then a loader thread copies the tensors into a standby copy of the model while generation
 continues on the active one; at the next step boundary the two references are exchanged, so
 the pause (:attr:`TorchEngine.last_swap_pause_s`) is a pointer swap whatever the model size.
+:meth:`TorchEngine.open_stage` does the same with a version whose tensors arrive bucket by bucket: the loader
+copies each part as it comes and marks the standby ready only once the last one is in.
 The KV cache carries over, and the tokens sampled after the swap carry the new version. The
 standby (created with the first staged version) doubles the parameter memory. A staged version
 must be complete (every weight, in state_dict or checkpoint names: see :mod:`.param_slots`).
@@ -28,10 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -41,7 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from actors.generator.config import TorchEngineConfig
-from actors.generator.engine import Completion, Engine, SamplingParams
+from actors.generator.engine import Completion, Engine, SamplingParams, StagingStream
 from actors.generator.param_slots import ParamSlots
 from actors.generator.sampling import sample_tokens
 from async_rl.hf_moe import RouteRecorder, find_moe_layers
@@ -76,7 +79,9 @@ class TorchEngine(Engine):
     """Models whose recorder hooks are in place during the current generate call."""
     _version: int
     _ready_version: int | None
-    _pending: tuple[Mapping[str, torch.Tensor], int] | None
+    _pending: tuple[Mapping[str, torch.Tensor] | _Stream, int] | None
+    _streaming: _Stream | None
+    """The stream the loader is consuming (aborted on close, so that the loader does not wait for it)."""
     _busy: bool
     _closed: bool
     _waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]]
@@ -116,6 +121,7 @@ class TorchEngine(Engine):
         self._version = -1
         self._ready_version = None
         self._pending = None
+        self._streaming = None
         self._busy = False
         self._closed = False
         self._waiters = []
@@ -177,13 +183,24 @@ class TorchEngine(Engine):
 
         The engine keeps references to ``tensors`` until they are copied: do not modify them.
         """
+        self._stage(tensors, version, tensors)
+
+    def open_stage(self, version: int, layout: Mapping[str, torch.Tensor]) -> StagingStream:
+        """:meth:`stage_weights` in parts: ``layout`` (every name, shape and dtype) is checked now, the loader copies
+        each part as it is put, and the standby becomes ready for the swap at :meth:`StagingStream.finish`."""
+        stream = _Stream(layout)
+        self._stage(stream, version, layout)
+        return stream
+
+    def _stage(self, source: Mapping[str, torch.Tensor] | _Stream, version: int,
+               layout: Mapping[str, torch.Tensor]) -> None:  # fmt: skip
         if self._closed:
             raise RuntimeError("engine is closed")
         if version <= self._version:
             raise ValueError(f"staged version {version} is not newer than the version in use ({self._version})")
-        self._slots_active.check(tensors)
+        self._slots_active.check(layout)
         with self._stage_cond:
-            self._pending = (tensors, version)
+            self._pending = (source, version)
             self._stage_cond.notify()
             if self._loader is None:
                 self._loader = threading.Thread(target=self._loader_main, name="torch-engine-loader", daemon=True)
@@ -229,6 +246,8 @@ class TorchEngine(Engine):
         self._closed = True
         with self._stage_cond:
             self._pending = None
+            if self._streaming is not None:
+                self._streaming.abort()
             self._stage_cond.notify_all()
         with self._queue_cond:
             self._queue_cond.notify_all()
@@ -256,16 +275,21 @@ class TorchEngine(Engine):
                     self._stage_cond.wait()
                 if self._closed:
                     return
-                tensors, version = self._pending  # type: ignore[misc]
+                source, version = self._pending  # type: ignore[misc]
                 self._pending = None
+                self._streaming = source if isinstance(source, _Stream) else None
             try:
-                self._load_standby(tensors, version, pool)
+                self._load_standby(source, version, pool)
                 self.last_stage_error = None
+            except _Aborted:
+                log.info("staged weight version %d was abandoned while it arrived; keeping version %d", version,
+                         self._version)  # fmt: skip
             except Exception as exc:  # a bad version must not kill the loader; the old weights stay
                 self.last_stage_error = f"version {version}: {exc!r}"
                 log.exception("could not load staged weight version %d; keeping version %d", version, self._version)
 
-    def _load_standby(self, tensors: Mapping[str, torch.Tensor], version: int, pool: ThreadPoolExecutor | None) -> None:
+    def _load_standby(self, source: Mapping[str, torch.Tensor] | _Stream, version: int,
+                      pool: ThreadPoolExecutor | None) -> None:  # fmt: skip
         with self._swap_lock:
             self._ready_version = None  # the standby is about to be overwritten; an unapplied version is dropped
             standby, slots = self._standby, self._slots_standby
@@ -274,13 +298,16 @@ class TorchEngine(Engine):
             slots = ParamSlots(standby)
         assert slots is not None
         t0 = time.perf_counter()
+        parts = source.parts() if isinstance(source, _Stream) else (source,)
         if self.device.type == "cuda":
             stream = torch.cuda.Stream(device=self.device)
             with torch.cuda.stream(stream):
-                slots.copy_(tensors)
+                for tensors in parts:
+                    slots.copy_(tensors)
             stream.synchronize()
         else:
-            slots.copy_(tensors, pool)
+            for tensors in parts:
+                slots.copy_(tensors, pool)
         self.last_load_s = time.perf_counter() - t0
         with self._swap_lock:
             self._standby, self._slots_standby = standby, slots
@@ -601,3 +628,49 @@ def _deliver(req: _Request, result: object) -> None:
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+class _Aborted(Exception):
+    """A streamed version was abandoned by its producer."""
+
+
+_END = object()
+_ABORT = object()
+
+
+class _Stream(StagingStream):
+    """Parts of a version on their way from the weight sync to the loader thread (see :meth:`TorchEngine.open_stage`)."""
+
+    __slots__ = ("_names", "_queue")
+
+    def __init__(self, layout: Mapping[str, torch.Tensor]) -> None:
+        self._names = set(layout)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._queue.put(dict(tensors))
+
+    def finish(self) -> None:
+        self._queue.put(_END)
+
+    def abort(self) -> None:
+        self._queue.put(_ABORT)
+
+    def parts(self) -> Iterator[Mapping[str, torch.Tensor]]:
+        """The parts as they come (loader thread); _Aborted when abandoned, ValueError when the parts were not
+        exactly the layout's names."""
+        seen: set[str] = set()
+        while True:
+            item = self._queue.get()
+            if item is _ABORT:
+                raise _Aborted
+            if item is _END:
+                break
+            unknown = [n for n in item if n not in self._names or n in seen]
+            if unknown:
+                raise ValueError(f"streamed weights outside the staged layout or sent twice: {sorted(unknown)[:5]}")
+            seen.update(item)
+            yield item
+        missing = self._names - seen
+        if missing:
+            raise ValueError(f"streamed version ended without {len(missing)} weight(s): {sorted(missing)[:5]}")

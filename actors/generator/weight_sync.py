@@ -6,8 +6,10 @@ hands it to the engine and waits until the engine applied it, so that the genera
 comes from learner weights. Afterwards :meth:`run` (a task of the generator's TaskGroup: if it
 fails, the process ends with its error) runs two loops until :meth:`stop`: one follows ``weights:latest`` (woken by NATS announcements, with a periodic
 poll of the key as a fallback when a message is missed), one fetches the wanted version in the
-background, verifies every bucket and calls :meth:`Engine.stage_weights`; the engine keeps
-generating meanwhile and stops only for its swap. A version that is corrupt (checksum or size
+background, verifies every bucket and calls :meth:`Engine.stage_weights` (or, for a full version and an engine
+that takes one in parts, :meth:`Engine.open_stage` before the first bucket, then hands over each bucket's
+tensors once verified: the engine copies one while the next is fetched); the engine keeps generating meanwhile
+and stops only for its swap. A version that is corrupt (checksum or size
 mismatch, bad manifest) or that the engine refuses is never applied: it is logged, counted and
 not retried; the engine keeps its last good weights. A version that vanished (pruned while we
 were behind) is skipped for the newer one.
@@ -33,13 +35,14 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from actors.generator.config import WeightSyncConfig
-from actors.generator.engine import Engine
+from actors.generator.engine import Engine, StagingStream
 from async_rl.control import ControlPlane, Message, WeightsAnnounced
 from async_rl.lifecycle import raise_if_cancel_requested
 from async_rl.names import Names
 from async_rl.transport import TransportError
 from async_rl.weights import CorruptVersion, FetchedVersion, VersionUnavailable, WeightReader
-from async_rl.weights.reader import WeightsError
+from async_rl.weights.manifest import Manifest
+from async_rl.weights.reader import Sink, StreamOpener, WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +226,7 @@ class WeightSync:
         backoff_s = 0.1
         for attempt in range(1, self.cfg.max_retries + 1):
             try:
-                fetched = await self._fetch(target)
-                self.engine.stage_weights(fetched.tensors, fetched.version)
+                fetched = await self._fetch_and_stage(target)
             except VersionUnavailable as exc:
                 self.num_unavailable += 1
                 self.last_error = str(exc)
@@ -266,18 +268,47 @@ class WeightSync:
             return True
         return False
 
-    async def _fetch(self, target: int) -> FetchedVersion:
+    async def _fetch_and_stage(self, target: int) -> FetchedVersion:
+        """Fetch ``target`` and hand it to the engine (in parts as it arrives where the engine takes them)."""
+        streams: list[StagingStream] = []
+        try:
+            fetched = await self._fetch(target, self._opener(streams))
+            if fetched.streamed:
+                streams.pop().finish()
+            else:
+                self.engine.stage_weights(fetched.tensors, fetched.version)
+            return fetched
+        finally:
+            for stream in streams:  # not finished: the fetch failed or was cancelled
+                stream.abort()
+
+    async def _fetch(self, target: int, stream: StreamOpener) -> FetchedVersion:
         """``target`` built onto the held version when a chain of deltas leads there; a delta that does not check
         is refused, then built again from its full version (the held copy is not trusted any more)."""
         if self._held is None:
-            return await self.reader.fetch(target)
+            return await self.reader.fetch(target, stream=stream)
         try:
-            return await self.reader.fetch(target, have=self._held)
+            return await self.reader.fetch(target, have=self._held, stream=stream)
         except CorruptVersion as exc:
             log.warning("weights version %d did not build bit for bit on the held v%d (%s); refetching it from its "
                         "full version", target, self._held.version, exc)  # fmt: skip
             self._held = None
-            return await self.reader.fetch(target)
+            return await self.reader.fetch(target, stream=stream)
+
+    def _opener(self, streams: list[StagingStream]) -> StreamOpener:
+        """Opens the engine's stream for a full version about to be read (None where the engine takes whole
+        versions). ``streams`` holds the open one; :meth:`_try_sync_to` finishes it or aborts what is left."""
+
+        def open_stream(manifest: Manifest) -> Sink | None:
+            while streams:
+                streams.pop().abort()
+            stream = self.engine.open_stage(manifest.version, manifest.layout())
+            if stream is None:
+                return None
+            streams.append(stream)
+            return stream.put
+
+        return open_stream
 
     async def _request_full(self) -> None:
         self._held = None

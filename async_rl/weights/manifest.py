@@ -183,6 +183,10 @@ class Manifest:
         """Bytes of the full tensors (what a full version of the same weights stores, less alignment padding)."""
         return sum(t.nbytes for t in self.tensors)
 
+    def layout(self) -> dict[str, torch.Tensor]:
+        """Every tensor's name, shape and dtype, as meta tensors (no memory): what an engine checks before bytes come."""
+        return {t.name: torch.empty(t.shape, dtype=DTYPES[t.dtype], device="meta") for t in self.tensors}
+
     @property
     def num_buckets(self) -> int:
         return len(self.buckets)

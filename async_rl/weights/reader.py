@@ -11,6 +11,10 @@ chain of deltas leads from it), else onto the newest full version its chain star
 joiner, a missed version). Every bucket is checked against its checksum before anything is built from it, and
 every piece a delta rebuilds against the learner's checksum of its full contents: a version is bit-exact or
 refused (:class:`CorruptVersion`); :meth:`WeightReader.request_full` then asks the publisher for a full version.
+
+Streaming (``fetch(..., stream=...)``): a full version read on its own hands its tensors over bucket by bucket,
+each tensor once every bucket holding it was verified, so that the engine copies one bucket while the next is
+fetched and checked. The version counts as read only when the fetch returns.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import math
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +59,11 @@ return 1
 # process (warnings.catch_warnings is not thread-safe, and pieces are built on several threads).
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
+Sink = Callable[[Mapping[str, torch.Tensor]], None]
+"""Takes verified tensors of a version as they are built (called on a worker thread)."""
+StreamOpener = Callable[[Manifest], Sink | None]
+"""Called with a full version's manifest before its buckets are read: a sink for its tensors, or None."""
+
 class WeightsError(RuntimeError):
     """A weight version could not be read; the reader's caller keeps its current weights."""
 
@@ -81,6 +91,8 @@ class FetchedVersion:
     """Bucket bytes fetched for it (every version of a chain together)."""
     chain: tuple[int, ...] = ()
     """Versions fetched to build it, oldest first (a full version, then deltas; or deltas onto the held one)."""
+    streamed: bool = False
+    """Every tensor already went to the sink that ``fetch``'s ``stream`` returned."""
 
     @property
     def gbps(self) -> float:
@@ -146,12 +158,15 @@ class WeightReader:
             raise CorruptVersion(f"manifest of weights version {version} says version {manifest.version}")
         return manifest
 
-    async def fetch(self, version: int | None = None, have: FetchedVersion | None = None) -> FetchedVersion:
+    async def fetch(
+        self, version: int | None = None, have: FetchedVersion | None = None, stream: StreamOpener | None = None
+    ) -> FetchedVersion:
         """Fetch, verify and assemble ``version`` (default: the latest); raises a :class:`WeightsError` subclass.
 
         A delta is applied onto ``have`` (the version this reader holds) when a chain of deltas leads from it;
         otherwise the chain is built from its newest full version. :class:`VersionUnavailable` when a version
-        of the chain is gone (then :meth:`request_full`)."""
+        of the chain is gone (then :meth:`request_full`). ``stream``: when ``version`` is a full version, its
+        tensors go to the sink it returns as their buckets are verified (module docstring)."""
         if version is None:
             version = await self.latest_version()
             if version is None:
@@ -166,7 +181,8 @@ class WeightReader:
                 break
             chain.append(await self._manifest(chain[-1].base))
         if start is None:
-            start = await self._read(chain.pop().version, None)
+            sink = stream(manifest) if stream is not None and len(chain) == 1 else None
+            start = await self._read(chain.pop().version, None, sink)
         transfer_s, nbytes, versions = start.transfer_s, start.bytes_fetched, list(start.chain) if start is not have else []
         for m in reversed(chain):
             start = await self._read(m.version, start)
@@ -174,10 +190,12 @@ class WeightReader:
             nbytes += start.bytes_fetched
             versions.append(m.version)
         total_s = time.perf_counter() - t0
-        return FetchedVersion(start.version, start.manifest, start.tensors, transfer_s, total_s, nbytes, tuple(versions))
+        return FetchedVersion(start.version, start.manifest, start.tensors, transfer_s, total_s, nbytes, tuple(versions),
+                              start.streamed)  # fmt: skip
 
-    async def _read(self, version: int, base: FetchedVersion | None) -> FetchedVersion:
-        """Lease ``version``, fetch and verify its buckets, build its tensors (a delta onto ``base``)."""
+    async def _read(self, version: int, base: FetchedVersion | None, sink: Sink | None = None) -> FetchedVersion:
+        """Lease ``version``, fetch and verify its buckets, build its tensors (a delta onto ``base``; a full
+        version's bucket by bucket into ``sink`` when there is one)."""
         t0 = time.perf_counter()
         if not await self._lease(version):
             raise VersionUnavailable(f"weights version {version} is not available (incomplete or pruned)")
@@ -192,18 +210,34 @@ class WeightReader:
             if manifest.kind == "delta" and (base is None or base.version != manifest.base):
                 have = "none" if base is None else f"v{base.version}"
                 raise VersionUnavailable(f"weights version {version} is a delta from v{manifest.base}; held: {have}")
-            buffers, transfer_s = await self._fetch_buckets(version, manifest, pending)
+            built: dict[str, torch.Tensor] = {}
+            on_bucket = None
+            if sink is not None and manifest.kind == "full":
+                on_bucket = _Streamer(manifest, built, sink).bucket_verified
+            buffers, transfer_s = await self._fetch_buckets(version, manifest, pending, on_bucket)
         finally:
             for task in pending.values():
                 task.cancel()
             await asyncio.gather(*pending.values(), return_exceptions=True)
             await self._release(version)
-        tensors = await asyncio.to_thread(_build, manifest, buffers, base.tensors if base is not None else None)
+        if on_bucket is None:
+            built = await asyncio.to_thread(_build, manifest, buffers, base.tensors if base is not None else None)
+        elif len(built) < len(manifest.tensors):  # tensors of no bytes in a version of no buckets
+            assert sink is not None
+            rest = {t.name: _build_tensor(manifest, t, buffers, None, CHECKSUMS[manifest.checksum])
+                    for t in manifest.tensors if t.name not in built}  # fmt: skip
+            built.update(rest)
+            sink(rest)
         total_s = time.perf_counter() - t0
-        return FetchedVersion(version, manifest, tensors, transfer_s, total_s, manifest.total_bytes, (version,))
+        return FetchedVersion(version, manifest, built, transfer_s, total_s, manifest.total_bytes, (version,),
+                              on_bucket is not None)  # fmt: skip
 
     async def _fetch_buckets(
-        self, version: int, manifest: Manifest, pending: dict[int, asyncio.Task]
+        self,
+        version: int,
+        manifest: Manifest,
+        pending: dict[int, asyncio.Task],
+        on_bucket: Callable[[list[memoryview]], None] | None = None,
     ) -> tuple[list[memoryview], float]:
         n = manifest.num_buckets
 
@@ -237,11 +271,36 @@ class WeightReader:
                     f"weights v{version} bucket {i}: {manifest.checksum} {got:#x} != manifest {entry.checksum:#x}"
                 )
             buffers.append(buf)
+            if on_bucket is not None:
+                await asyncio.to_thread(on_bucket, buffers)
             if time.monotonic() - renewed_at > renew_every_s:
                 renewed_at = time.monotonic()
                 if not await self._lease(version):
                     raise VersionUnavailable(f"weights version {version} vanished while being read")
         return buffers, transfer_s
+
+
+class _Streamer:
+    """Builds a full version's tensors as its buckets are verified and hands each batch to the sink."""
+
+    __slots__ = ("manifest", "built", "sink", "due", "hasher")
+
+    def __init__(self, manifest: Manifest, built: dict[str, torch.Tensor], sink: Sink) -> None:
+        self.manifest, self.built, self.sink = manifest, built, sink
+        self.hasher = CHECKSUMS[manifest.checksum]
+        self.due: dict[int, list[ManifestTensor]] = {}
+        """Bucket index -> the tensors whose last piece lies in it."""
+        for t in manifest.tensors:
+            self.due.setdefault(max((p.bucket for p in t.pieces), default=0), []).append(t)
+
+    def bucket_verified(self, buffers: list[memoryview]) -> None:
+        """Worker thread: the tensors complete once bucket ``len(buffers) - 1`` is verified, to the sink."""
+        ready = self.due.get(len(buffers) - 1, [])
+        if not ready:
+            return
+        part = {t.name: _build_tensor(self.manifest, t, buffers, None, self.hasher) for t in ready}
+        self.built.update(part)
+        self.sink(part)
 
 
 def _piece_base(base: torch.Tensor, dim: int, start: int, length: int) -> np.ndarray:

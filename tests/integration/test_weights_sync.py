@@ -95,6 +95,8 @@ async def test_follows_announcements_over_nats(
                 await pub.publish(_weights(v), v)
                 assert await sync.wait_staged(v, 20), sync.last_error
                 assert await engine.wait_applied(v, 20)
+                # A full version goes to the torch engine bucket by bucket as each is verified.
+                assert sync.last_fetch is not None and sync.last_fetch.streamed
             assert _engine_holds(engine, _weights(2))
 
 

@@ -287,6 +287,64 @@ async def test_stage_weights_checks_and_checkpoint_names(tmp_path):
     await engine.close()
 
 
+async def _stage_error(engine: TorchEngine, says: str, timeout_s: float = 10.0) -> bool:
+    """True once the loader reported a staged version refused for a reason containing ``says``."""
+    for _ in range(int(timeout_s / 0.02)):
+        if says in (engine.last_stage_error or ""):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_a_version_staged_in_parts_swaps_in_only_once_complete():
+    engine = make_engine(peaked_model(seed=0), load_threads=2)
+    versions = {v: {k: t.clone() for k, t in peaked_model(seed=v).state_dict().items()} for v in (1, 2, 3)}
+    layout = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in versions[1].items()}
+    names = sorted(layout)
+    half = len(names) // 2
+
+    def part(v: int, which: list[str]) -> dict[str, torch.Tensor]:
+        return {k: versions[v][k] for k in which}
+
+    stream = engine.open_stage(1, layout)
+    stream.put(part(1, names[:half]))
+    assert not await engine.wait_applied(1, timeout_s=0.3)  # half a version is never used
+    stream.put(part(1, names[half:]))
+    stream.finish()
+    assert await engine.wait_applied(1, timeout_s=30)
+    assert all(torch.equal(engine.model.state_dict()[k], t) for k, t in versions[1].items())
+
+    # Abandoned half-way (a bucket failed its checksum): the weights in use stay, nothing is reported as an error.
+    stream = engine.open_stage(2, layout)
+    stream.put(part(2, names[:half]))
+    stream.abort()
+    assert not await engine.wait_applied(2, timeout_s=0.3)
+    assert engine.version == 1 and engine.last_stage_error is None
+    # Ended short, or with a name twice: refused with what was wrong; then a complete one still loads.
+    stream = engine.open_stage(2, layout)
+    stream.put(part(2, names[:half]))
+    stream.finish()
+    assert await _stage_error(engine, "ended without")
+    stream = engine.open_stage(2, layout)
+    stream.put(part(2, names[:half]))
+    stream.put(part(2, names[:1]))
+    stream.finish()
+    assert await _stage_error(engine, "sent twice") and engine.version == 1
+    with pytest.raises(ValueError, match="unknown weight name"):
+        engine.open_stage(3, {**layout, "model.extra.weight": torch.empty(1, device="meta")})
+    stream = engine.open_stage(3, layout)
+    stream.put(part(3, names))
+    stream.finish()
+    assert await engine.wait_applied(3, timeout_s=30)
+    assert all(torch.equal(engine.model.state_dict()[k], t) for k, t in versions[3].items())
+
+    # Closing while the loader waits for the rest of a version returns at once.
+    stream = engine.open_stage(4, layout)
+    stream.put(part(1, names[:half]))
+    await asyncio.wait_for(engine.close(), timeout=10)
+    assert engine.version == 3
+
+
 async def test_bad_prompts_and_config_are_named():
     engine = make_engine(build_model("tiny-moe"))
     with pytest.raises(ValueError, match=r"prompts\[1\] has token ids outside"):

@@ -5,11 +5,13 @@ For a model of ``--model-gb`` (bf16, a Qwen3-MoE stack sized to the target) and 
 1. a :class:`WeightPublisher` publishes it as buckets (``publish_gbps``: pack + checksum + write + commit);
 2. the same bucket keys are read with plain redis-py GETs (``raw_get_gbps``: the transport's ceiling as most
    clients see it) and with the bucket transport's own reader (``raw_socket_get_gbps``), and copied once in
-   memory (``memcpy_gbps``: the machine's ceiling);
+   memory (``memcpy_gbps``: the machine's ceiling, measured in every round like the rest, best kept);
 3. a generator-side :class:`WeightSync` on a :class:`TorchEngine` hosting that model loads the first version
    (cold: the engine also builds its standby copy), then a new version is published while the engine is
    idle: ``fetch_apply_gbps`` = bytes / (announcement -> fetched, verified, copied into the standby model
-   and swapped in), with its breakdown (transfer, verify, copy);
+   and swapped in), with its breakdown (transfer, verify, copy; an engine that takes a version in parts
+   copies bucket i while bucket i+1 is fetched, ``engine_copy`` then spans the fetch), and
+   ``fetch_apply_over_memcpy``;
 4. a third version is published while the engine generates: ``swap_pause_ms`` is the time generation
    stood still for the swap (the engine's ``last_swap_pause_s``); ``swap_pause_ms_small`` the same for
    the small model.
@@ -156,6 +158,9 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
             rounds: list[dict[str, float]] = []
             version = 0
             best: dict[str, Any] = {}
+            dst = bytearray(total)  # the memcpy ceiling's destination, touched once before the first timing
+            view = memoryview(dst)
+            np.frombuffer(dst, dtype=np.uint8).fill(1)
             for _ in range(args.rounds):
                 row: dict[str, float] = {}
                 keys = [names.weights_bucket(version, i) for i in range(m0.num_buckets)]
@@ -181,6 +186,13 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
                     t0 = time.perf_counter()
                     blobs = [bytes(await transport.get(version, i)) for i in range(m0.num_buckets)]
                     row["raw_get_gbps"] = total / (time.perf_counter() - t0) / GB
+                # The machine's ceiling in this round: one memory copy of the same bytes into touched memory.
+                pos, t0 = 0, time.perf_counter()
+                for b in blobs:
+                    view[pos : pos + len(b)] = b
+                    pos += len(b)
+                row["memcpy_gbps"] = total / (time.perf_counter() - t0) / GB
+                del blobs
                 version += 1
                 for t in source.values():
                     t.neg_()
@@ -219,17 +231,9 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
             out["rounds"] = rounds
             out["swap_pause_ms_idle"] = engine.last_swap_pause_s * 1000
 
-            # The machine's ceiling: one memory copy of the same bytes (the first pass also maps the pages).
-            dst = bytearray(total)
-            view = memoryview(dst)
-            for _rep in range(2):
-                pos, t0 = 0, time.perf_counter()
-                for b in blobs:
-                    view[pos : pos + len(b)] = b
-                    pos += len(b)
-                memcpy_s = time.perf_counter() - t0
-            out["memcpy_gbps"] = total / memcpy_s / GB
-            del blobs, dst, view
+            out["memcpy_gbps"] = max(r_["memcpy_gbps"] for r_ in rounds)
+            out["fetch_apply_over_memcpy"] = out["fetch_apply_gbps"] / out["memcpy_gbps"]
+            del dst, view
 
             # A swap while the engine generates: the pause is what generation loses.
             stop = asyncio.Event()
@@ -289,7 +293,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         servers.stop()
     keys = (
         "model_bytes", "publish_gbps", "fetch_apply_gbps", "fetch_gbps", "raw_get_gbps", "raw_socket_get_gbps",
-        "memcpy_gbps",
+        "memcpy_gbps", "fetch_apply_over_memcpy",
     )  # fmt: skip
     result: dict[str, Any] = {k: large[k] for k in keys if k in large}
     result["swap_pause_ms"] = large["swap_pause_ms"]
@@ -298,6 +302,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     result["targets"] = {
         "swap_pause_ms_lt_100": large["swap_pause_ms"] < 100 and (small is None or small["swap_pause_ms"] < 100),
         "fetch_apply_ge_0.7_raw_get": result["fetch_apply_over_raw_get"] >= 0.7,
+        "fetch_apply_ge_0.5_memcpy": large["fetch_apply_over_memcpy"] >= 0.5,
     }
     result["apply_means"] = (
         "fetched, checksum-verified, copied into the TorchEngine's standby bf16 model, swapped in at a step boundary"
