@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import textwrap
 
@@ -245,6 +246,45 @@ async def test_pieces_of_several_ranks_assemble_bit_for_bit(redis_client: aiored
     with pytest.raises(ValueError, match="pieces"):
         await pub.commit(2, [bad])
     assert await reader.latest_version() == 1
+
+
+async def test_megatron_ranks_publish_their_own_pieces_and_the_reader_assembles_the_gathered_export(
+    redis_client: aioredis.Redis, servers: ServerSet, names: Names
+) -> None:
+    """TP=2 x PP=2 x DP=2 with EP=2 (8 ranks): every rank writes the pieces it owns (no gather; replicas write
+    nothing); rank 0 commits; the version a generator reads equals the gathered Hugging Face export bit for bit,
+    full and as a delta."""
+    from tests.unit.megatron.test_megatron_convert import _qwen2
+    from tests.unit.megatron.test_megatron_rank_export import world_pieces
+
+    every, want = world_pieces(_qwen2, tp=2, pp=2, dp=2, ep=2, etp=1)
+    ranks = [pieces for pieces in every if pieces]
+    assert len(every) == 8 and len(ranks) == 4  # per stage: the two TP ranks of DP replica 0 (EP ranks 0 and 1)
+    pub = WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names,
+                          PublisherConfig(bucket_bytes=4 << 10))  # fmt: skip
+    reader = _reader(redis_client, servers, names)
+
+    async def publish(version: int, scale: float, base: float | None) -> None:
+        parts, first = [], 0
+        for rank, pieces in enumerate(ranks):
+            mine = [dataclasses.replace(p, tensor=p.tensor * scale) for p in pieces]
+            old = None if base is None else {p.name: p.tensor * base for p in pieces}
+            if old is not None and len({p.name for p in pieces}) != len(pieces):
+                old = None  # several pieces of one tensor on a rank: published in full
+            part = await pub.write_rank(version, mine, base=old, rank=rank, first_bucket=first)
+            first += len(part.buckets)
+            parts.append(part)
+        await pub.commit(version, parts, base=-1 if base is None else version - 1, full_version=0)
+
+    await publish(0, 1.0, None)
+    m0 = await reader._manifest(0)
+    assert m0.num_ranks == len(ranks) and sorted(t.name for t in m0.tensors) == sorted(want)
+    assert any(len(t.pieces) > 1 for t in m0.tensors)  # sharded tensors arrive in pieces from several ranks
+    got = await reader.fetch(0)
+    assert _same(got.tensors, want)
+    await publish(1, 2.0, 1.0)
+    assert (await reader._manifest(1)).kind == "delta"
+    assert _same((await reader.fetch(1, have=got)).tensors, {k: v * 2.0 for k, v in want.items()})
 
 
 async def test_prune_keeps_the_chain_from_the_newest_full_version(redis_client: aioredis.Redis, servers: ServerSet,
