@@ -42,8 +42,9 @@ from actors.learner.backend import TrainingBackend
 from actors.learner.batching import make_micro_batches
 from actors.learner.checkpoint import CheckpointManager, LearnerState
 from actors.learner.config import LearnerConfig
+from actors.learner.samples import build_samples
 from actors.learner.signals import LearnerSignals
-from async_rl.algorithms import broadcast_to_tokens, compute_advantages, make_loss_fn
+from async_rl.algorithms import make_loss_fn
 from async_rl.algorithms.batch import MicroBatch, TrainSample
 from async_rl.control import ControlPlane, LearnerProgress, RunEnded
 from async_rl.entry import public_config
@@ -55,7 +56,6 @@ from async_rl.tasks.config import build_task
 from async_rl.transport import make_transport
 from async_rl.weights import WeightPublisher
 from async_rl.weights.background import BackgroundPublisher, PublishRecord
-from async_rl.wire_types import GroupRecord
 from buffer.dead_letters import error_line
 from buffer.entry_checks import EntryChecker, ModelFacts
 from buffer.prompts import PromptQueue
@@ -69,31 +69,6 @@ CONSUMER = "learner"
 # Failed steps in a row that no single group explains (each group passes alone): after this many the fault is
 # taken to be the learner's own (a bug, a device error), and it exits for its supervisor instead of burning data.
 MAX_UNEXPLAINED_FAILURES = 3
-
-
-def build_samples(
-    groups: list[GroupRecord], cfg: LearnerConfig
-) -> tuple[list[TrainSample], dict[str, float], list[float]]:
-    """TrainSamples of ``groups`` with their advantages; also advantage metrics and per-sample rewards."""
-    rewards = [np.array([s.reward for s in g.samples], dtype=np.float64) for g in groups]
-    advantages, metrics = compute_advantages(rewards, cfg.algorithm)
-    samples: list[TrainSample] = []
-    num_empty = 0
-    for g, adv in zip(groups, advantages, strict=True):
-        prompt = np.asarray(g.prompt_ids, dtype=np.int32)
-        for s, a in zip(g.samples, adv, strict=True):
-            r = int(s.response_ids.size)
-            if r == 0:
-                num_empty += 1
-                continue
-            samples.append(TrainSample(
-                input_ids=np.concatenate([prompt, np.asarray(s.response_ids, dtype=np.int32)]),
-                prompt_len=int(prompt.size), behaviour_logprobs=np.asarray(s.logprobs, dtype=np.float32),
-                versions=np.asarray(s.versions, dtype=np.int32), advantages=broadcast_to_tokens(float(a), r),
-                routes=s.routes if cfg.replay_routes else None, group_id=g.group_id,
-            ))  # fmt: skip
-    metrics["empty_responses_count"] = float(num_empty)
-    return samples, metrics, [float(x) for r in rewards for x in r]
 
 
 def target_value(metrics: dict[str, Any], name: str) -> float:

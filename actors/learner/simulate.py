@@ -38,7 +38,7 @@ from actors.learner.batching import make_micro_batches
 from actors.learner.build import build_backend
 from actors.learner.checkpoint import CheckpointManager, LearnerState
 from actors.learner.config import LearnerConfig
-from actors.learner.loop import build_samples
+from actors.learner.samples import build_samples
 from async_rl import tokenizer as tt
 from async_rl.algorithms import make_loss_fn
 from async_rl.algorithms.batch import MicroBatch

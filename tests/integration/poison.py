@@ -273,7 +273,7 @@ def mutate(data: bytes, draw: Any) -> bytes:
         value = draw(st.one_of(
             st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True),
             st.text(max_size=6), st.binary(max_size=24), st.lists(st.integers(-5, 70_000), max_size=4),
-            st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+            st.dictionaries(st.text(max_size=3), st.integers(-(2**63), 2**64 - 1), max_size=2),
         ))  # fmt: skip
         t = _set(t, path, value)
     else:

@@ -92,7 +92,7 @@ BASE = encode_group(valid_record("p0", np.array([3, 4, 5, 6], dtype=np.int32), F
 def test_any_mutation_is_refused_or_safe_for_the_backend(backend, data):  # type: ignore[no-untyped-def]
     from actors.learner.batching import make_micro_batches
     from actors.learner.config import LearnerConfig
-    from actors.learner.loop import build_samples
+    from actors.learner.samples import build_samples
 
     mutated = mutate(BASE, data.draw)
     try:

@@ -97,7 +97,7 @@ class _Trainer:
         import numpy as np
 
         from actors.learner.batching import make_micro_batches
-        from actors.learner.loop import build_samples
+        from actors.learner.samples import build_samples
         from async_rl import tokenizer as tok
         from async_rl.algorithms import make_loss_fn
         from async_rl.wire_types import GroupRecord, Sample

@@ -1,0 +1,39 @@
+"""A batch of rollout groups -> training samples: advantages per group, one sample per non-empty response.
+
+Shared by the learner loop and what drives the same training outside it (the staleness simulation, ``bench
+publish``), so that they train on exactly what the learner would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actors.learner.config import LearnerConfig
+from async_rl.algorithms import broadcast_to_tokens, compute_advantages
+from async_rl.algorithms.batch import TrainSample
+from async_rl.wire_types import GroupRecord
+
+
+def build_samples(
+    groups: list[GroupRecord], cfg: LearnerConfig
+) -> tuple[list[TrainSample], dict[str, float], list[float]]:
+    """TrainSamples of ``groups`` with their advantages; also advantage metrics and per-sample rewards."""
+    rewards = [np.array([s.reward for s in g.samples], dtype=np.float64) for g in groups]
+    advantages, metrics = compute_advantages(rewards, cfg.algorithm)
+    samples: list[TrainSample] = []
+    num_empty = 0
+    for g, adv in zip(groups, advantages, strict=True):
+        prompt = np.asarray(g.prompt_ids, dtype=np.int32)
+        for s, a in zip(g.samples, adv, strict=True):
+            r = int(s.response_ids.size)
+            if r == 0:
+                num_empty += 1
+                continue
+            samples.append(TrainSample(
+                input_ids=np.concatenate([prompt, np.asarray(s.response_ids, dtype=np.int32)]),
+                prompt_len=int(prompt.size), behaviour_logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                versions=np.asarray(s.versions, dtype=np.int32), advantages=broadcast_to_tokens(float(a), r),
+                routes=s.routes if cfg.replay_routes else None, group_id=g.group_id,
+            ))  # fmt: skip
+    metrics["empty_responses_count"] = float(num_empty)
+    return samples, metrics, [float(x) for r in rewards for x in r]
