@@ -82,6 +82,13 @@ def test_metrics_and_the_scaling_signal_of_a_live_run(procs: Procs, servers: Ser
                  "step_seconds", "reward"):  # fmt: skip
         assert f"async_rl_learner_{name}" in lm, name
 
+    # The generator reports the version it uses at each heartbeat: wait for one after it applied a learner version
+    # (the learner can take 3 steps on what the generator sampled with the first version, S = 4).
+    def generator_version() -> float:
+        return scrape(gen_port).get("async_rl_generator_version", 0.0)
+
+    procs.wait_for("the generator on a learner version", lambda: generator_version() >= 1, timeout_s=120,
+                   interval_s=0.5)  # fmt: skip
     gm = scrape(gen_port)
     assert gm["async_rl_generator_prompts_total"] >= 8 * 3
     assert gm["async_rl_generator_tokens_total"] > 0
