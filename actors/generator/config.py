@@ -126,6 +126,9 @@ class WeightSyncConfig:
     """Transient failures on one version before it is given up (a newer version is still taken)."""
     reader: ReaderConfig = field(default_factory=ReaderConfig)
     """Lease and prefetch settings of the reader."""
+    stream: bool = True
+    """Hand a full version to an engine that takes one in parts (the torch engine) bucket by bucket as each is
+    verified, so that its copy overlaps the fetch; false: whole versions only."""
 
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0:

@@ -302,6 +302,8 @@ class WeightSync:
         def open_stream(manifest: Manifest) -> Sink | None:
             while streams:
                 streams.pop().abort()
+            if not self.cfg.stream:
+                return None
             stream = self.engine.open_stage(manifest.version, manifest.layout())
             if stream is None:
                 return None
