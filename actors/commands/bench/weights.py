@@ -157,6 +157,18 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
             # Rounds, interleaved so that load from other processes hits every figure alike; best of each kept.
             # Ceilings: plain redis-py GETs, the transport's raw-socket GETs (no hashing), then one idle fetch +
             # verify + apply of a new version announced on NATS.
+            async def publish_and_apply(v: int) -> tuple[float, Any]:
+                """A new version ``v`` (every value changed) published; seconds from its commit (visible, announced
+                right after) to the engine using it, and the publish stats."""
+                for t in source.values():
+                    t.neg_()
+                t_publish = time.perf_counter()
+                await pub.publish(source, v)
+                stats = pub.last_stats
+                assert stats is not None
+                assert await engine.wait_applied(v, 600), sync.last_error
+                return time.perf_counter() - (t_publish + stats.total_s), stats
+
             rounds: list[dict[str, float]] = []
             version = 0
             best: dict[str, Any] = {}
@@ -196,31 +208,17 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
                 row["memcpy_gbps"] = total / (time.perf_counter() - t0) / GB
                 del blobs
                 version += 1
-                for t in source.values():
-                    t.neg_()
-                t_publish = time.perf_counter()
-                await pub.publish(source, version)
-                st = pub.last_stats
-                assert st is not None
+                fetch_apply_s, st = await publish_and_apply(version)
                 publish_s.append(st.total_s)
-                assert await engine.wait_applied(version, 600), sync.last_error
-                # From the commit (the version became visible; announced right after) to the engine using it.
-                fetch_apply_s = time.perf_counter() - (t_publish + st.total_s)
                 fetched = sync.last_fetch
-                assert fetched is not None and fetched.version == version
+                assert fetched is not None and fetched.version == version and fetched.streamed
                 row["fetch_gbps"] = total / fetched.total_s / GB
                 row["fetch_apply_gbps"] = total / fetch_apply_s / GB
                 # The same with whole versions (weight_sync.stream=false): the engine copies after the fetch.
                 sync.cfg.stream = False
                 version += 1
-                for t in source.values():
-                    t.neg_()
-                t_whole = time.perf_counter()
-                await pub.publish(source, version)
-                st_whole = pub.last_stats
-                assert st_whole is not None and await engine.wait_applied(version, 600), sync.last_error
+                row["fetch_apply_whole_gbps"] = total / (await publish_and_apply(version))[0] / GB
                 assert sync.last_fetch is not None and not sync.last_fetch.streamed
-                row["fetch_apply_whole_gbps"] = total / (time.perf_counter() - (t_whole + st_whole.total_s)) / GB
                 sync.cfg.stream = True
                 rounds.append({k: round(v, 4) for k, v in row.items()})
                 if row["fetch_apply_gbps"] >= best.get("fetch_apply_gbps", 0):
@@ -269,15 +267,8 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
 
             gen_task = asyncio.create_task(generate_loop(), name="bench-generate")
             await asyncio.sleep(0.5)
-            for t in source.values():
-                t.neg_()
             version += 1
-            t_publish = time.perf_counter()
-            await pub.publish(source, version)
-            assert await engine.wait_applied(version, 600), sync.last_error
-            st = pub.last_stats
-            assert st is not None
-            out["fetch_apply_while_generating_s"] = round(time.perf_counter() - (t_publish + st.total_s), 3)
+            out["fetch_apply_while_generating_s"] = round((await publish_and_apply(version))[0], 3)
             stop.set()
             await gen_task
             out["swap_pause_ms"] = engine.last_swap_pause_s * 1000
