@@ -64,6 +64,7 @@ Sink = Callable[[Mapping[str, torch.Tensor]], None]
 StreamOpener = Callable[[Manifest], Sink | None]
 """Called with a full version's manifest before its buckets are read: a sink for its tensors, or None."""
 
+
 class WeightsError(RuntimeError):
     """A weight version could not be read; the reader's caller keeps its current weights."""
 
