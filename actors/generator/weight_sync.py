@@ -297,7 +297,7 @@ class WeightSync:
 
     def _opener(self, streams: list[StagingStream]) -> StreamOpener:
         """Opens the engine's stream for a full version about to be read (None where the engine takes whole
-        versions). ``streams`` holds the open one; :meth:`_try_sync_to` finishes it or aborts what is left."""
+        versions). ``streams`` holds the open one; :meth:`_fetch_and_stage` finishes it or aborts what is left."""
 
         def open_stream(manifest: Manifest) -> Sink | None:
             while streams:
