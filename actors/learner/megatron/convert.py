@@ -309,10 +309,12 @@ def unshard(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- local names
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+"""A layer's megatron name: its layer number and the rest (``mlp.router.weight``...)."""
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
-_GLOBAL_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+GLOBAL_EXPERT_NAME = re.compile(r"^mlp\.experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+"""The rest of a global expert weight's name (after :data:`LAYER_NAME`): expert id, fc, weight or bias."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +341,7 @@ class RankNaming:
 
 def global_name(local: str, naming: RankNaming, moe_layers: tuple[bool, ...]) -> str | None:
     """A rank's parameter name -> global name; None for names that are not weights we convert."""
-    mm = _LAYER.match(local)
+    mm = LAYER_NAME.match(local)
     if mm is None:
         return local
     i = int(mm.group(1)) + naming.layer_offset
@@ -359,7 +361,7 @@ def global_name(local: str, naming: RankNaming, moe_layers: tuple[bool, ...]) ->
 
 def local_name(glob: str, naming: RankNaming, moe_layers: tuple[bool, ...]) -> str | None:
     """Global name -> this rank's parameter name; None when the weight lives on another rank."""
-    mm = _LAYER.match(glob)
+    mm = LAYER_NAME.match(glob)
     if mm is None:
         if glob.startswith("embedding."):
             return glob if naming.has_embedding else None
@@ -369,7 +371,7 @@ def local_name(glob: str, naming: RankNaming, moe_layers: tuple[bool, ...]) -> s
     if not 0 <= li < naming.num_local_layers:
         return None
     rest = mm.group(2)
-    if (e := _GLOBAL_EXPERT.match(rest)) is not None:
+    if (e := GLOBAL_EXPERT_NAME.match(rest)) is not None:
         le = int(e.group(1)) - naming.expert_offset
         if not 0 <= le < naming.num_local_experts:
             return None
@@ -395,7 +397,7 @@ def local_state(
         ln = local_name(g, naming, arch.moe_layers)
         if ln is None:
             continue
-        expert = _GLOBAL_EXPERT.match(g.split(".", 3)[-1]) is not None
+        expert = GLOBAL_EXPERT_NAME.match(g.split(".", 3)[-1]) is not None
         out[ln] = shard(g, t, etp_rank, etp_size) if expert else shard(g, t, tp_rank, tp_size)
     return out
 

@@ -24,16 +24,12 @@ and context-parallel rank 0) and its experts (expert-data-parallel rank 0).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
 
-from actors.learner.megatron.convert import ModelArch, RankNaming, global_name, tp_kind
+from actors.learner.megatron.convert import GLOBAL_EXPERT_NAME, LAYER_NAME, ModelArch, RankNaming, global_name, tp_kind
 from async_rl.weights.snapshot import Piece
-
-_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(linear_fc[12])\.weight$")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 # Replicated megatron tensors (relative to ``decoder.layers.{i}.``) -> their Hugging Face name (relative to
 # ``model.layers.{i}.``).
@@ -68,11 +64,13 @@ def rank_pieces(
             continue
         if g == "output_layer.weight" and arch.tie_embeddings:
             continue
-        e = _EXPERT.match(g)
-        if e is not None:
+        m = LAYER_NAME.match(g)
+        e = GLOBAL_EXPERT_NAME.match(m.group(2)) if m is not None else None
+        if e is not None and e.group(3) == "weight":  # expert biases: none in the supported models (refused below)
+            assert m is not None
             if not experts:
                 continue
-            layer, expert, fc = int(e.group(1)), int(e.group(2)), e.group(3)
+            layer, expert, fc = int(m.group(1)), int(e.group(1)), e.group(2)
             if fused_experts:
                 stacked.setdefault((layer, fc), {})[expert] = t
             else:
@@ -102,7 +100,7 @@ def _dense_pieces(arch: ModelArch, g: str, t: torch.Tensor, tp_rank: int, tp_siz
         return [_rows("lm_head.weight", t, tp_rank, tp_size)]
     if g == "decoder.final_layernorm.weight":
         return [Piece("model.norm.weight", t)]
-    m = _LAYER.match(g)
+    m = LAYER_NAME.match(g)
     if m is None:
         raise ValueError(f"per-rank export: unknown megatron weight {g!r}")
     p, rest = f"model.layers.{m.group(1)}.", m.group(2)
