@@ -211,27 +211,21 @@ class WeightReader:
             if manifest.kind == "delta" and (base is None or base.version != manifest.base):
                 have = "none" if base is None else f"v{base.version}"
                 raise VersionUnavailable(f"weights version {version} is a delta from v{manifest.base}; held: {have}")
-            built: dict[str, torch.Tensor] = {}
-            on_bucket = None
-            if sink is not None and manifest.kind == "full":
-                on_bucket = _Streamer(manifest, built, sink).bucket_verified
+            streamer = _Streamer(manifest, sink) if sink is not None and manifest.kind == "full" else None
+            on_bucket = streamer.bucket_verified if streamer is not None else None
             buffers, transfer_s = await self._fetch_buckets(version, manifest, pending, on_bucket)
         finally:
             for task in pending.values():
                 task.cancel()
             await asyncio.gather(*pending.values(), return_exceptions=True)
             await self._release(version)
-        if on_bucket is None:
+        if streamer is None:
             built = await asyncio.to_thread(_build, manifest, buffers, base.tensors if base is not None else None)
-        elif len(built) < len(manifest.tensors):  # tensors of no bytes in a version of no buckets
-            assert sink is not None
-            rest = {t.name: _build_tensor(manifest, t, buffers, None, CHECKSUMS[manifest.checksum])
-                    for t in manifest.tensors if t.name not in built}  # fmt: skip
-            built.update(rest)
-            sink(rest)
+        else:
+            built = streamer.finish(buffers)
         total_s = time.perf_counter() - t0
         return FetchedVersion(version, manifest, built, transfer_s, total_s, manifest.total_bytes, (version,),
-                              on_bucket is not None)  # fmt: skip
+                              streamer is not None)  # fmt: skip
 
     async def _fetch_buckets(
         self,
@@ -286,8 +280,9 @@ class _Streamer:
 
     __slots__ = ("manifest", "built", "sink", "due", "hasher")
 
-    def __init__(self, manifest: Manifest, built: dict[str, torch.Tensor], sink: Sink) -> None:
-        self.manifest, self.built, self.sink = manifest, built, sink
+    def __init__(self, manifest: Manifest, sink: Sink) -> None:
+        self.manifest, self.sink = manifest, sink
+        self.built: dict[str, torch.Tensor] = {}
         self.hasher = CHECKSUMS[manifest.checksum]
         self.due: dict[int, list[ManifestTensor]] = {}
         """Bucket index -> the tensors whose last piece lies in it."""
@@ -296,7 +291,14 @@ class _Streamer:
 
     def bucket_verified(self, buffers: list[memoryview]) -> None:
         """Worker thread: the tensors complete once bucket ``len(buffers) - 1`` is verified, to the sink."""
-        ready = self.due.get(len(buffers) - 1, [])
+        self._send(buffers, self.due.get(len(buffers) - 1, []))
+
+    def finish(self, buffers: list[memoryview]) -> dict[str, torch.Tensor]:
+        """Every tensor of the version, the ones no bucket brought (no bytes, a version of no buckets) sent now."""
+        self._send(buffers, [t for t in self.manifest.tensors if t.name not in self.built])
+        return self.built
+
+    def _send(self, buffers: list[memoryview], ready: list[ManifestTensor]) -> None:
         if not ready:
             return
         part = {t.name: _build_tensor(self.manifest, t, buffers, None, self.hasher) for t in ready}
