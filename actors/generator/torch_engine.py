@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from actors.generator.config import TorchEngineConfig
 from actors.generator.engine import Completion, Engine, SamplingParams, StagingStream
 from actors.generator.param_slots import ParamSlots
+from actors.generator.queued_stream import QueuedStream, StreamAborted
 from actors.generator.sampling import sample_tokens
 from async_rl.hf_moe import RouteRecorder, find_moe_layers
 from async_rl.models import load_model
@@ -79,8 +79,8 @@ class TorchEngine(Engine):
     """Models whose recorder hooks are in place during the current generate call."""
     _version: int
     _ready_version: int | None
-    _pending: tuple[Mapping[str, torch.Tensor] | _Stream, int] | None
-    _streaming: _Stream | None
+    _pending: tuple[Mapping[str, torch.Tensor] | QueuedStream, int] | None
+    _streaming: QueuedStream | None
     """The stream the loader is consuming (aborted on close, so that the loader does not wait for it)."""
     _busy: bool
     _closed: bool
@@ -188,11 +188,11 @@ class TorchEngine(Engine):
     def open_stage(self, version: int, layout: Mapping[str, torch.Tensor]) -> StagingStream:
         """:meth:`stage_weights` in parts: ``layout`` (every name, shape and dtype) is checked now, the loader copies
         each part as it is put, and the standby becomes ready for the swap at :meth:`StagingStream.finish`."""
-        stream = _Stream(layout)
+        stream = QueuedStream(layout)
         self._stage(stream, version, layout)
         return stream
 
-    def _stage(self, source: Mapping[str, torch.Tensor] | _Stream, version: int,
+    def _stage(self, source: Mapping[str, torch.Tensor] | QueuedStream, version: int,
                layout: Mapping[str, torch.Tensor]) -> None:  # fmt: skip
         if self._closed:
             raise RuntimeError("engine is closed")
@@ -277,18 +277,18 @@ class TorchEngine(Engine):
                     return
                 source, version = self._pending  # type: ignore[misc]
                 self._pending = None
-                self._streaming = source if isinstance(source, _Stream) else None
+                self._streaming = source if isinstance(source, QueuedStream) else None
             try:
                 self._load_standby(source, version, pool)
                 self.last_stage_error = None
-            except _Aborted:
+            except StreamAborted:
                 log.info("staged weight version %d was abandoned while it arrived; keeping version %d", version,
                          self._version)  # fmt: skip
             except Exception as exc:  # a bad version must not kill the loader; the old weights stay
                 self.last_stage_error = f"version {version}: {exc!r}"
                 log.exception("could not load staged weight version %d; keeping version %d", version, self._version)
 
-    def _load_standby(self, source: Mapping[str, torch.Tensor] | _Stream, version: int,
+    def _load_standby(self, source: Mapping[str, torch.Tensor] | QueuedStream, version: int,
                       pool: ThreadPoolExecutor | None) -> None:  # fmt: skip
         with self._swap_lock:
             self._ready_version = None  # the standby is about to be overwritten; an unapplied version is dropped
@@ -298,7 +298,7 @@ class TorchEngine(Engine):
             slots = ParamSlots(standby)
         assert slots is not None
         t0 = time.perf_counter()
-        parts = source.parts() if isinstance(source, _Stream) else (source,)
+        parts = source.parts() if isinstance(source, QueuedStream) else (source,)
         if self.device.type == "cuda":
             stream = torch.cuda.Stream(device=self.device)
             with torch.cuda.stream(stream):
@@ -629,48 +629,3 @@ def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
 
-
-class _Aborted(Exception):
-    """A streamed version was abandoned by its producer."""
-
-
-_END = object()
-_ABORT = object()
-
-
-class _Stream(StagingStream):
-    """Parts of a version on their way from the weight sync to the loader thread (see :meth:`TorchEngine.open_stage`)."""
-
-    __slots__ = ("_names", "_queue")
-
-    def __init__(self, layout: Mapping[str, torch.Tensor]) -> None:
-        self._names = set(layout)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-
-    def put(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._queue.put(dict(tensors))
-
-    def finish(self) -> None:
-        self._queue.put(_END)
-
-    def abort(self) -> None:
-        self._queue.put(_ABORT)
-
-    def parts(self) -> Iterator[Mapping[str, torch.Tensor]]:
-        """The parts as they come (loader thread); _Aborted when abandoned, ValueError when the parts were not
-        exactly the layout's names."""
-        seen: set[str] = set()
-        while True:
-            item = self._queue.get()
-            if item is _ABORT:
-                raise _Aborted
-            if item is _END:
-                break
-            unknown = [n for n in item if n not in self._names or n in seen]
-            if unknown:
-                raise ValueError(f"streamed weights outside the staged layout or sent twice: {sorted(unknown)[:5]}")
-            seen.update(item)
-            yield item
-        missing = self._names - seen
-        if missing:
-            raise ValueError(f"streamed version ended without {len(missing)} weight(s): {sorted(missing)[:5]}")
