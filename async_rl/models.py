@@ -10,6 +10,7 @@ weights) paired with the char-level tokenizer of :mod:`async_rl.tokenizer`:
 * ``tiny-dense``: the same shape with a dense MLP (Qwen3), for tests of dense paths.
 * ``small-moe``: 4 layers, hidden 128, 8 experts, top-2 (about 1.8M parameters).
 * ``moe-107m``: 8 layers, hidden 512, 32 experts, top-4 (107M parameters): the GPU benchmark model.
+* ``moe-1.6b``: 16 layers, hidden 1024, 64 experts, top-8 (1.65B parameters, 3.3 GB in bf16): the weight path's.
 
 Head dimensions are 32 or more: vLLM's CPU attention backend takes head sizes 32, 64, 80, ...
 Anything else is a path to a local Hugging Face model directory (config, safetensors,
@@ -96,6 +97,14 @@ def moe_107m_config(**overrides: Any) -> Qwen3MoeConfig:
     return _moe_config(hidden=512, intermediate=1024, layers=8, experts=32, **{**kw, **overrides})
 
 
+def moe_1_6b_config(**overrides: Any) -> Qwen3MoeConfig:
+    """The weight-path benchmark model (``bench loop --model moe-1.6b``): 16 layers, hidden 1024, 64 experts top-8
+    (expert FFN 512), 16 query / 4 KV heads of 64; 1.65B parameters, 3.3 GB in bf16; the char vocabulary."""
+    kw: dict[str, Any] = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts_per_tok=8,
+                              moe_intermediate_size=512)  # fmt: skip
+    return _moe_config(hidden=1024, intermediate=2048, layers=16, experts=64, **{**kw, **overrides})
+
+
 def tiny_dense_config(**overrides: Any) -> Qwen3Config:
     """The dense twin of ``tiny-moe`` (Qwen3, 2 layers, hidden 64, MLP 256)."""
     kw = _common(
@@ -115,6 +124,7 @@ PRESETS: dict[str, Callable[..., PretrainedConfig]] = {
     "tiny-dense": tiny_dense_config,
     "small-moe": small_moe_config,
     "moe-107m": moe_107m_config,
+    "moe-1.6b": moe_1_6b_config,
 }
 """Preset name -> config factory."""
 assert tuple(PRESETS) == PRESET_NAMES and tuple(DTYPES) == DTYPE_NAMES, "async_rl/model_config.py names them"

@@ -141,6 +141,21 @@ class Names:
         return self.key("weights", "retiring")
 
     @property
+    def weights_gpu_latest(self) -> str:
+        """String key holding the newest weight version held in the learner's GPU buffers (same-host readers take it
+        over CUDA IPC: :mod:`async_rl.weights.gpu_publisher`)."""
+        return self.key("weights", "gpu", "latest")
+
+    def weights_gpu_manifest(self, version: int) -> str:
+        """A GPU-held version's manifest: its tensors, bucket checksums and the CUDA IPC handles of its buffers."""
+        return self.key("weights", "gpu", version, "manifest")
+
+    def weights_gpu_readers(self, version: int) -> str:
+        """Sorted set of reader leases on a GPU-held version (member = reader id, score = expiry in ms): its buffers
+        are not overwritten while one is live."""
+        return self.key("weights", "gpu", version, "readers")
+
+    @property
     def weights_want_full(self) -> str:
         """Sorted set of generators asking for a full version (member = reader id, score = unix ms); the publisher
         takes it before each version and then publishes a full one (a late joiner, a refused delta)."""

@@ -126,6 +126,9 @@ class WeightSyncConfig:
     """Transient failures on one version before it is given up (a newer version is still taken)."""
     reader: ReaderConfig = field(default_factory=ReaderConfig)
     """Lease and prefetch settings of the reader."""
+    gpu: bool = True
+    """A CUDA torch engine on the learner's host takes the versions the learner keeps in GPU memory over CUDA IPC
+    (a GPU-to-GPU copy, milliseconds), falling back to the host transport where it cannot map them."""
     stream: bool = True
     """Hand a full version to an engine that takes one in parts (the torch engine) bucket by bucket as each is
     verified, so that its copy overlaps the fetch; false: whole versions only."""

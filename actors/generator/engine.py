@@ -105,6 +105,11 @@ class Engine(abc.ABC):
         each once its bucket was verified. None: this engine takes whole versions only (:meth:`stage_weights`)."""
         return None
 
+    def take_swaps(self) -> list[tuple[int, float]]:
+        """(version, unix time) of every swap since the last call, for snapshot-to-applied figures (engines that
+        track them; others: none)."""
+        return []
+
     @abc.abstractmethod
     async def wait_applied(self, version: int, timeout_s: float | None = None) -> bool:
         """Wait until ``version`` (or newer) is in use; True if it is, False on timeout."""

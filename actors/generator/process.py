@@ -37,6 +37,7 @@ from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.transport import make_transport
 from async_rl.weights import WeightReader
+from async_rl.weights.gpu_reader import GpuReader
 from async_rl.wire_types import GroupRecord, Sample
 from buffer.prompts import PromptEntry, PromptQueue
 from buffer.rollouts import RolloutWriter
@@ -52,6 +53,14 @@ def build_engine(cfg: GeneratorConfig) -> Engine:
     from actors.generator.vllm_engine import VLLMEngine
 
     return VLLMEngine(cfg.vllm)
+
+
+def gpu_reader(cfg: GeneratorConfig, engine: Engine, redis: aioredis.Redis) -> GpuReader | None:
+    """The same-host GPU weight path for a CUDA torch engine (``weight_sync.gpu``), or None."""
+    device = getattr(engine, "device", None)
+    if not cfg.weight_sync.gpu or cfg.engine != "torch" or device is None or device.type != "cuda":
+        return None
+    return GpuReader(redis, cfg.run.names, device, cfg.weight_sync.reader, reader_id=cfg.generator_id)
 
 
 class Generator:
@@ -132,7 +141,8 @@ class Generator:
         transport = make_transport(cfg.transport, cfg.run.redis_url, names)
         reader = WeightReader(self._redis, transport, names, cfg.weight_sync.reader, reader_id=cfg.generator_id)
         where = f"prefix {names.prefix!r} at {redact_url(cfg.run.redis_url)}"
-        self._sync = WeightSync(self._engine, reader, names, cfg.weight_sync, self._control, where=where)
+        gpu = gpu_reader(cfg, self._engine, self._redis)
+        self._sync = WeightSync(self._engine, reader, names, cfg.weight_sync, self._control, where=where, gpu=gpu)
         stack.push_async_callback(self._sync.close)
         stack.push_async_callback(self._release_held)  # first of the closing steps: others may take them at once
         log.info("generator %s: engine %s ready; loading the newest weight version", cfg.generator_id, cfg.engine)
@@ -235,7 +245,14 @@ class Generator:
             interval_s=self.cfg.heartbeat_interval_s,
             fetch_s=self._sync.last_fetch.total_s if self._sync and self._sync.last_fetch else 0.0,
             generate_s=self.generate_s, version_wait_s=self.version_wait_s,
+            applied_latency_s=self._applied_latencies(),
         )  # fmt: skip
+
+    def _applied_latencies(self) -> list[float]:
+        """Snapshot-to-swap seconds of the versions swapped in since the last call (learner-stamped ones only)."""
+        assert self._engine is not None
+        taken = self._sync.taken_at if self._sync is not None else {}
+        return [round(at - taken[v], 6) for v, at in self._engine.take_swaps() if taken.get(v, 0.0) > 0]
 
     async def _heartbeat_loop(self) -> None:
         assert self._control is not None and self._redis is not None

@@ -54,6 +54,8 @@ from async_rl.token_mask import masked_token_ids
 
 log = logging.getLogger(__name__)
 
+SWAPS_KEPT = 256
+"""Swaps remembered for :meth:`TorchEngine.take_swaps` between two heartbeats (a few per second at most)."""
 COMPACT_FRACTION = 0.25
 """Compact the batch (and its KV cache) once this share of its rows has finished: a copy of the cache
 costs about one decode step, so compacting on every finished row would cost more than it saves."""
@@ -99,6 +101,8 @@ class TorchEngine(Engine):
     _masked_ids: torch.Tensor
     """Token ids never sampled when ``params.mask_special_tokens`` (:func:`async_rl.token_mask.masked_token_ids`)."""
     _num_experts: int
+    _swaps: deque[tuple[int, float]]
+    """(version, unix time) of swaps not yet taken by :meth:`take_swaps`."""
 
     def __init__(self, config: TorchEngineConfig, model: PreTrainedModel | None = None) -> None:
         self.config = config
@@ -111,6 +115,7 @@ class TorchEngine(Engine):
         self._active = model.to(self.device).eval()  # type: ignore[arg-type]
         self._slots_active = ParamSlots(self._active)
         self._slots_standby: ParamSlots | None = None
+        self._swaps = deque(maxlen=SWAPS_KEPT)
         self._standby = None
         self._recorders = {}
         self._recording = set()
@@ -236,6 +241,12 @@ class TorchEngine(Engine):
         with self._staged_cond:
             return self._staged_cond.wait_for(ready, timeout_s)
 
+    def take_swaps(self) -> list[tuple[int, float]]:
+        with self._swap_lock:
+            out = list(self._swaps)
+            self._swaps.clear()
+        return out
+
     @property
     def ready_version(self) -> int | None:
         """Version loaded in the standby and waiting for the next step boundary (None: nothing waiting)."""
@@ -342,6 +353,7 @@ class TorchEngine(Engine):
         self._slots_active, self._slots_standby = self._slots_standby, self._slots_active
         self._version, self._ready_version = self._ready_version, None
         self.last_swap_pause_s = time.perf_counter() - t0
+        self._swaps.append((self._version, time.time()))
         self._staged_cond.notify_all()
         done = [w for w in self._waiters if w[0] <= self._version]
         for w in done:

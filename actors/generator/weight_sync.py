@@ -20,6 +20,12 @@ check bit for bit is refused; the version is then built again from its newest fu
 too the publisher is asked for a full one (:meth:`WeightReader.request_full`), which the sync moves to when it
 comes. A generator that joins late or missed versions builds the newest from its full version plus the deltas
 after it.
+
+GPU-held versions (``gpu``: a :class:`~async_rl.weights.gpu_reader.GpuReader`, for a CUDA engine on the learner's
+host): the sync follows ``weights:gpu:latest`` and the announcements with transport ``cuda`` as well, and takes
+such a version GPU to GPU in milliseconds. When this process cannot map the learner's buffers (another host or
+namespace, a device it cannot see) it says so once and follows the host transport's versions only; a GPU version
+whose buffers were reused before it was read is skipped for the next, as a pruned one.
 """
 
 from __future__ import annotations
@@ -41,11 +47,15 @@ from async_rl.lifecycle import raise_if_cancel_requested
 from async_rl.names import Names
 from async_rl.transport import TransportError
 from async_rl.weights import CorruptVersion, FetchedVersion, VersionUnavailable, WeightReader
-from async_rl.weights.manifest import Manifest
+from async_rl.weights.cuda_ipc import IpcUnavailable
+from async_rl.weights.gpu_reader import GpuReader
+from async_rl.weights.manifest import GPU_TRANSPORT, Manifest
 from async_rl.weights.reader import Sink, StreamOpener, WeightsError
 
 log = logging.getLogger(__name__)
 
+TAKEN_AT_KEPT = 64
+"""Snapshot times of this many recent versions are kept (the heartbeat turns swaps into snapshot-to-applied)."""
 # Errors that may pass on their own (server restart, network blip): retried with capped backoff.
 TRANSIENT_ERRORS = (RedisError, TransportError, OSError, asyncio.TimeoutError)
 
@@ -60,8 +70,14 @@ class WeightSync:
     cfg: WeightSyncConfig
     staged_version: int
     """Newest version handed to the engine (-1: none)."""
-    wanted_version: int
-    """Newest version known to exist."""
+    host_wanted: int
+    """Newest version known to exist on the host transport."""
+    gpu_wanted: int
+    """Newest GPU-held version known to exist (-1: none, or no GPU path)."""
+    gpu: GpuReader | None
+    """The same-host GPU path (None: host transport only; dropped when this process cannot map the buffers)."""
+    taken_at: dict[int, float]
+    """Unix time each recently staged version's snapshot began on the learner (0: not said), by version."""
     num_staged: int
     num_refused: int
     """Versions refused as corrupt or rejected by the engine."""
@@ -94,14 +110,17 @@ class WeightSync:
         cfg: WeightSyncConfig | None = None,
         control: ControlPlane | None = None,
         where: str = "",
+        gpu: GpuReader | None = None,
     ) -> None:
         self.engine = engine
+        self.gpu = gpu
+        self.host_wanted = self.gpu_wanted = -1
+        self.taken_at = {}
         self.reader = reader
         self.names = names
         self.cfg = cfg or WeightSyncConfig()
         self.control = control
         self.staged_version = -1
-        self.wanted_version = -1
         self.num_staged = self.num_refused = self.num_unavailable = self.num_transient_errors = 0
         self.refused = set()
         self.last_fetch = None
@@ -120,19 +139,43 @@ class WeightSync:
     def num_failures(self) -> int:
         return self.num_refused + self.num_unavailable
 
-    def _want(self, version: int) -> None:
-        if version > self.wanted_version:
-            self.wanted_version = version
+    @property
+    def wanted_version(self) -> int:
+        """Newest version known to exist on a path this sync can take."""
+        return max(self.host_wanted, self.gpu_wanted if self.gpu is not None else -1)
+
+    def _want(self, version: int, gpu: bool = False) -> None:
+        if gpu and self.gpu is None:
+            return
+        before = self.wanted_version
+        if gpu:
+            self.gpu_wanted = max(self.gpu_wanted, version)
+        else:
+            self.host_wanted = max(self.host_wanted, version)
+        if self.wanted_version > before:
             self._wake.set()
 
     async def _on_announcement(self, msg: Message) -> None:
         assert isinstance(msg, WeightsAnnounced)
-        self._want(msg.version)
+        self._want(msg.version, gpu=msg.transport == GPU_TRANSPORT)
 
     async def _refresh_latest(self) -> None:
         latest = await self.reader.latest_version()
         if latest is not None:
             self._want(latest)
+        if self.gpu is not None:
+            gpu_latest = await self.gpu.latest_version()
+            if gpu_latest is not None:
+                self._want(gpu_latest, gpu=True)
+
+    def _drop_gpu(self, exc: Exception) -> None:
+        """This process cannot use the GPU path: say so once, and follow the host transport from now on."""
+        log.warning("weights: cannot take the learner's GPU buffers here (%s); following the host transport's "
+                    "versions (latest %d) instead", exc, self.host_wanted)  # fmt: skip
+        if self.gpu is not None:
+            self.gpu.close()
+        self.gpu = None
+        self.gpu_wanted = -1
 
     async def _wait(self, event: asyncio.Event, timeout_s: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -256,7 +299,11 @@ class WeightSync:
                 backoff_s = min(backoff_s * 2, self.cfg.max_backoff_s)
                 continue
             self.staged_version = fetched.version
-            self._held = fetched  # the base of the next delta (the engine only reads these tensors)
+            # The base of the next delta (the engine only reads these tensors); a GPU version is never a delta's base.
+            self._held = fetched if fetched.manifest.ipc is None else None
+            self.taken_at[fetched.version] = fetched.manifest.taken_at
+            while len(self.taken_at) > TAKEN_AT_KEPT:
+                del self.taken_at[min(self.taken_at)]
             self.bytes_fetched += fetched.bytes_fetched
             # Timings and manifest only: the tensors (a whole version of buffers) belong to the engine now.
             self.last_fetch = dataclasses.replace(fetched, tensors={})
@@ -269,7 +316,19 @@ class WeightSync:
         return False
 
     async def _fetch_and_stage(self, target: int) -> FetchedVersion:
-        """Fetch ``target`` and hand it to the engine (in parts as it arrives where the engine takes them)."""
+        """Fetch ``target`` and hand it to the engine (in parts as it arrives where the engine takes them); over the
+        GPU path when it is a GPU-held version this process can map."""
+        if self.gpu is not None and target <= self.gpu_wanted:
+            try:
+                fetched = await self.gpu.fetch(target)
+            except IpcUnavailable as exc:
+                self._drop_gpu(exc)
+                if self.host_wanted <= self.staged_version:
+                    raise VersionUnavailable(f"weights version {target} is held on the learner's GPU only") from None
+                target = self.host_wanted
+            else:
+                self.engine.stage_weights(fetched.tensors, fetched.version)
+                return fetched
         streams: list[StagingStream] = []
         try:
             fetched = await self._fetch(target, self._opener(streams))

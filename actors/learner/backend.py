@@ -88,6 +88,12 @@ class TrainingBackend(abc.ABC):
         :meth:`train_step`. Default: :meth:`export_weights`."""
         return self.export_weights()
 
+    @property
+    def publish_device(self) -> str:
+        """Where :meth:`snapshot_source`'s tensors live ('cpu', 'cuda:N'): from a CUDA GPU, versions are also kept in
+        GPU buffers that same-host generators copy over CUDA IPC (:mod:`async_rl.weights.gpu_publisher`)."""
+        return "cpu"
+
     @abc.abstractmethod
     def save(self, directory: Path) -> None:
         """Save model and optimizer state under ``directory``: after :meth:`load`, training continues bit for bit."""

@@ -56,6 +56,8 @@ from async_rl.tasks.config import build_task
 from async_rl.transport import make_transport
 from async_rl.weights import WeightPublisher
 from async_rl.weights.background import BackgroundPublisher, PublishRecord
+from async_rl.weights.gpu_publisher import GpuPublisher
+from async_rl.weights.manifest import GPU_TRANSPORT
 from buffer.dead_letters import error_line
 from buffer.entry_checks import EntryChecker, ModelFacts
 from buffer.prompts import PromptQueue
@@ -91,7 +93,9 @@ class Learner:
     _control: ControlPlane | None
     _signals: LearnerSignals
     _publisher: WeightPublisher | None
-    _weights: BackgroundPublisher | None
+    _weights: BackgroundPublisher | GpuPublisher | None
+    """Publishes the versions: from GPU buffers (same-host generators over CUDA IPC, feeding the host transport),
+    or through the host transport alone."""
     _prompts: PromptQueue | None
     _reader: RolloutReader | None
     _metrics: MetricsLogger | None
@@ -161,8 +165,24 @@ class Learner:
         stack.push_async_callback(transport.close)
         self._publisher = WeightPublisher(self._redis, transport, names, cfg.publisher, self._control)
         await self._publisher.clean_staging()
-        self._weights = BackgroundPublisher(self._publisher, on_commit=self._on_published)
-        stack.push_async_callback(self._weights.aclose)  # before the transport closes: the version going out ends
+        host = BackgroundPublisher(self._publisher, on_commit=self._on_published)
+        stack.push_async_callback(host.aclose)  # before the transport closes: the version going out ends
+        self._weights = host
+        gpu_latest = None
+        device = self.backend.publish_device
+        if cfg.publisher.gpu == "on" and not device.startswith("cuda"):
+            raise ValueError(f"publisher.gpu=on needs the learner's weights on a CUDA GPU; this {cfg.backend} backend "
+                             f"publishes from {device}")  # fmt: skip
+        if cfg.publisher.gpu != "off" and device.startswith("cuda"):
+            gpu = GpuPublisher(self._redis, names, cfg.publisher, device, control=self._control,
+                               host=host if cfg.publisher.gpu_host_copies else None, on_commit=self._on_published)  # fmt: skip
+            gpu_latest = await gpu.latest_version()
+            await gpu.clean()  # the buffers of a previous learner's versions died with it
+            stack.push_async_callback(gpu.aclose)
+            self._weights = gpu
+            log.info("weights: versions kept in %d GPU slots on %s for same-host generators (CUDA IPC)%s",
+                     cfg.publisher.gpu_slots, device,
+                     ", and published through the host transport" if cfg.publisher.gpu_host_copies else "")  # fmt: skip
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
         self._checker = EntryChecker(await asyncio.to_thread(_model_facts, cfg), num_samples=cfg.sampling.n)
         self._reader = RolloutReader(self._redis, names, cfg.rollouts, checker=self._checker, check_issued=True)
@@ -180,6 +200,8 @@ class Learner:
             LEARNER_HOLD_FIELD: cfg.checkpoint.every * cfg.batch_groups,
         })  # fmt: skip
         latest = await self._publisher.latest_version()
+        if gpu_latest is not None:
+            latest = max(latest if latest is not None else -1, gpu_latest)
         if latest is not None and latest > self.state.version:
             # Killed between a publish and the checkpoint covering it: the versions past the checkpoint came from
             # lost steps, and their numbers are never reused (generators only take newer ones). The restored
@@ -197,7 +219,7 @@ class Learner:
             await self._publish(wait=True)
         else:
             self.state.published_version = latest
-            self._weights.published_version = latest  # out already: the loop's final flush has nothing to send
+            host.published_version = latest  # out already: the loop's final flush has nothing to send
         self._checker.max_version = max(self.state.version, self.state.published_version)
 
     async def run(self) -> LearnerState:
@@ -528,12 +550,17 @@ def _model_facts(cfg: LearnerConfig) -> ModelFacts:
 
 def _publish_metrics(records: list[PublishRecord]) -> dict[str, float]:
     """Metrics of the versions committed during a step (the newest one's sizes; empty when none was)."""
-    if not records:
-        return {}
-    r = records[-1]
-    return {"weights/bytes": float(r.bytes_sent), "weights/full_bytes": float(r.full_bytes),
-            "weights/delta_ratio": r.delta_ratio, "weights/publish_latency_s": r.latency_s,
-            "weights/full": float(r.kind == "full")}  # fmt: skip
+    out: dict[str, float] = {}
+    host = [r for r in records if r.kind != GPU_TRANSPORT]
+    if host:
+        r = host[-1]
+        out.update({"weights/bytes": float(r.bytes_sent), "weights/full_bytes": float(r.full_bytes),
+                    "weights/delta_ratio": r.delta_ratio, "weights/publish_latency_s": r.latency_s,
+                    "weights/full": float(r.kind == "full")})  # fmt: skip
+    gpu = [r for r in records if r.kind == GPU_TRANSPORT]
+    if gpu:  # snapshot queued to the version visible in GPU buffers (same-host generators)
+        out["weights/gpu_publish_latency_s"] = gpu[-1].latency_s
+    return out
 
 
 class _Union:

@@ -227,6 +227,12 @@ class TorchBackend(TrainingBackend):
         for name, tensor in self.snapshot_source():
             yield name, tensor.to("cpu").contiguous()
 
+    @property
+    def publish_device(self) -> str:
+        if self.device.type != "cuda":
+            return str(self.device)
+        return f"cuda:{self.device.index if self.device.index is not None else torch.cuda.current_device()}"
+
     def snapshot_source(self) -> Iterator[tuple[str, torch.Tensor]]:
         state = {k: v.detach() for k, v in self.model.state_dict().items()}
         if self.config.export_format == "checkpoint":

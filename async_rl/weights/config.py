@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from async_rl.checksums import CHECKSUMS
 from async_rl.transport import MAX_BUCKET_BYTES
 
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+"""dtypes a GPU-held version may be published in (names of async_rl.weights.manifest.DTYPES)."""
 # zstd's highest compression level (the zstandard package is not imported here: configs stay light).
 ZSTD_MAX_LEVEL = 22
 
@@ -37,6 +40,23 @@ class PublisherConfig:
     1 makes every version full. Pruning keeps the newest full version and the deltas after it."""
     zstd_level: int = 1
     """zstd level of delta payloads (1-22; 1 measured smallest per second of CPU here, docs/weights.md)."""
+    gpu: Literal["auto", "on", "off"] = "auto"
+    """Keep each version in GPU buffers that generators on the same host copy over CUDA IPC in milliseconds
+    (async_rl/weights/gpu_publisher.py): 'auto' where the learner's weights are on a CUDA GPU, 'on' refuses to
+    start otherwise, 'off' publishes through the host transport only."""
+    gpu_slots: int = 2
+    """Versions kept in GPU buffers (each one the size of the weights in ``gpu_dtype``): the newest is never
+    overwritten, another only when no reader holds a lease on it; with none free a step's version is skipped."""
+    gpu_bucket_bytes: int = 1 << 30
+    """Target size of one GPU bucket (one CUDA IPC handle and one checksum each)."""
+    gpu_dtype: str = ""
+    """Floating-point dtype of the GPU-held versions (the generators' dtype, e.g. 'bfloat16'); '' keeps the
+    learner's."""
+    gpu_host_copies: bool = True
+    """With the GPU path on, also publish versions through the host transport (as many as it sustains, never
+    blocking a step) for generators on other hosts or that cannot map the learner's GPU."""
+    gpu_retry_s: float = 0.05
+    """At a flush that finds every GPU slot leased: wait this long before trying again."""
 
     def __post_init__(self) -> None:
         if not 0 < self.bucket_bytes <= MAX_BUCKET_BYTES:
@@ -49,6 +69,16 @@ class PublisherConfig:
             raise ValueError(f"weights.full_every must be >= 1, got {self.full_every}")
         if not 1 <= self.zstd_level <= ZSTD_MAX_LEVEL:
             raise ValueError(f"weights.zstd_level must be in [1, {ZSTD_MAX_LEVEL}], got {self.zstd_level}")
+        if self.gpu not in ("auto", "on", "off"):
+            raise ValueError(f"publisher.gpu must be 'auto', 'on' or 'off', got {self.gpu!r}")
+        if self.gpu_slots < 2:
+            raise ValueError("publisher.gpu_slots must be >= 2 (the newest version is never overwritten)")
+        if self.gpu_bucket_bytes <= 0:
+            raise ValueError("publisher.gpu_bucket_bytes must be > 0")
+        if self.gpu_dtype and self.gpu_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"publisher.gpu_dtype must be one of {list(FLOAT_DTYPES)} or '', got {self.gpu_dtype!r}")
+        if self.gpu_retry_s <= 0:
+            raise ValueError("publisher.gpu_retry_s must be > 0")
 
 
 
@@ -60,6 +90,10 @@ class ReaderConfig:
     """Lease on a version being read, renewed every third of it; the publisher will not delete a leased version."""
     prefetch_buckets: int = 1
     """Buckets requested ahead of the one being verified (transfer overlaps the checksum)."""
+    gpu_lease_ttl_s: float = 2.0
+    """Lease on a GPU-held version while its buckets are copied over CUDA IPC (milliseconds of work): the learner
+    refills no leased slot, and a reader whose copy outlasts the lease discards it. Short, so that a reader killed
+    mid-copy holds a slot no longer than this."""
     secret_file: str = ""
     """File holding the run secret: only versions whose manifest HMAC checks are applied. Empty:
     $ASYNC_RL_RUN_SECRET_FILE, else $ASYNC_RL_RUN_SECRET, else manifests are not checked."""
@@ -69,3 +103,5 @@ class ReaderConfig:
             raise ValueError("weights.reader.lease_ttl_s must be > 0")
         if self.prefetch_buckets < 0:
             raise ValueError("weights.reader.prefetch_buckets must be >= 0")
+        if self.gpu_lease_ttl_s <= 0:
+            raise ValueError("weight_sync.reader.gpu_lease_ttl_s must be > 0")

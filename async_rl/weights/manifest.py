@@ -24,6 +24,7 @@ import msgpack
 import torch
 
 from async_rl.checksums import CHECKSUMS, checksum_stream, default_checksum  # noqa: F401 - re-exported
+from async_rl.weights.cuda_ipc import IpcHandle
 from async_rl.weights.signing import hmac_matches, manifest_hmac
 
 MANIFEST_SCHEMA = 2
@@ -146,6 +147,20 @@ class ManifestTensor:
 
 
 KINDS = ("full", "delta")
+GPU_TRANSPORT = "cuda"
+"""The transport name of GPU-held versions (their manifests and announcements)."""
+GPU_CHECKSUM = "wsum64"
+"""The checksum of GPU-held versions (:mod:`.gpu_checksum`): computed on the GPU by the learner and by the reader."""
+
+
+@dataclass(slots=True)
+class IpcPlacement:
+    """Where a GPU-held version's buckets live: the learner's GPU buffers, one exported handle per bucket."""
+
+    host: str
+    """:func:`~async_rl.weights.cuda_ipc.host_key` of the learner: only processes with the same key map the handles."""
+    handles: list[IpcHandle]
+    """Bucket ``i`` is the first ``buckets[i].nbytes`` bytes of ``handles[i]``'s buffer."""
 
 
 @dataclass(slots=True)
@@ -172,6 +187,10 @@ class Manifest:
     """Ranks that wrote pieces."""
     created_at: float = field(default_factory=time.time)
     """Unix time the publisher finished the version."""
+    taken_at: float = 0.0
+    """Unix time the learner's snapshot of it began (0: not said): readers measure snapshot-to-applied from it."""
+    ipc: IpcPlacement | None = None
+    """A GPU-held version (transport ``cuda``): its buckets are the learner's GPU buffers, mapped over CUDA IPC."""
 
     @property
     def total_bytes(self) -> int:
@@ -210,6 +229,8 @@ class Manifest:
                 "transport": self.transport,
                 "checksum": self.checksum,
                 "created_at": self.created_at,
+                "taken_at": self.taken_at,
+                "ipc": None if self.ipc is None else [self.ipc.host, [h.encode() for h in self.ipc.handles]],
                 "total_bytes": self.total_bytes,
                 "buckets": [[b.index, b.nbytes, b.checksum] for b in self.buckets],
                 "tensors": [[t.name, t.dtype, list(t.shape), [p.encode() for p in t.pieces]] for t in self.tensors],
@@ -244,6 +265,9 @@ class Manifest:
                 transport=str(d["transport"]),
                 checksum=str(d["checksum"]),
                 created_at=float(d["created_at"]),
+                taken_at=float(d.get("taken_at", 0.0)),
+                ipc=None if d.get("ipc") is None else IpcPlacement(
+                    str(d["ipc"][0]), [IpcHandle.decode(h) for h in d["ipc"][1]]),
                 buckets=[BucketEntry(int(i), int(n), int(c)) for i, n, c in d["buckets"]],
                 tensors=[
                     ManifestTensor(n, dt, tuple(int(x) for x in s), [
@@ -276,6 +300,16 @@ class Manifest:
         for i, b in enumerate(self.buckets):
             if b.index != i:
                 raise ManifestError(f"weights manifest bucket {i} has index {b.index}")
+        if self.ipc is not None:
+            if self.kind != "full" or self.checksum != GPU_CHECKSUM:
+                raise ManifestError(f"GPU-held weights version {self.version} must be full with checksum {GPU_CHECKSUM}")
+            if len(self.ipc.handles) != len(self.buckets):
+                raise ManifestError(f"GPU-held weights version {self.version}: {len(self.ipc.handles)} IPC handles "
+                                    f"for {len(self.buckets)} buckets")  # fmt: skip
+            for b, h in zip(self.buckets, self.ipc.handles, strict=True):
+                if b.nbytes > h.storage_bytes:
+                    raise ManifestError(f"GPU-held weights version {self.version}: bucket {b.index} of {b.nbytes} "
+                                        f"bytes exceeds its buffer of {h.storage_bytes}")  # fmt: skip
         seen: set[str] = set()
         for t in self.tensors:
             if t.name in seen:

@@ -13,13 +13,17 @@ Summary fields: ``steps``, ``wall_s``, ``steps_per_s`` (after ``--warmup-steps``
 ``train_s`` (medians), ``publish_block_s`` / ``publish_block_frac`` (the loop's wait on publishing, when the
 learner reports it; else ``non_train_frac``: the share of each step interval not spent training),
 ``learner_tokens_per_s``, ``generator_tokens_per_s``, ``generator_fetch_s``, ``swap_pause_ms``,
-``learner_idle_frac`` (time waiting for rollouts), ``generator_idle_frac`` (time not generating, from the
+``version_to_applied_s`` (seconds from the learner's snapshot of a version to a generator's swap to it: p50, p95,
+per generator), ``gpu_publish_latency_s`` (snapshot to visible in GPU buffers), ``learner_idle_frac`` (time waiting
+for rollouts), ``generator_idle_frac`` (time not generating, from the
 heartbeats' ``generate_s``), ``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
 ``peak_memory_gib`` (the learner's, GPU), ``tracebacks`` (lines in any process log; a clean run has none); with
 ``--target``, ``wall_to_target_s`` and ``steps_to_target``.
 
 ``moe-107m`` is the GPU benchmark model of the publishing and Megatron issues (a preset: every process builds
 the same seeded weights): Qwen3-MoE, 8 layers, hidden 512, 32 experts top-4, 107M parameters, 214 MB in bf16.
+``moe-1.6b`` is the weight path's: 16 layers, hidden 1024, 64 experts top-8, 1.65B parameters, 3.3 GB in bf16
+(``--generator-devices cuda:0,cuda:1`` puts one generator beside the learner and one on the second GPU).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODELS = ("tiny-moe", "small-moe", "moe-107m")
+MODELS = ("tiny-moe", "small-moe", "moe-107m", "moe-1.6b")
 """Presets (``async_rl/models.py``); any other value: a model directory."""
 LEARNER_DEFAULTS = ["task.name=copy", "batch_groups=32", "sampling.n=8", "checkpoint.every=10",
                     "metrics.wandb_mode=disabled", "staleness.max_staleness=2"]  # fmt: skip
@@ -63,6 +67,8 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--run-dir", type=Path, default=None, help="default runs/bench-loop-<time>")
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE", help="extra learner override")
     p.add_argument("--generator", action="append", default=[], metavar="KEY=VALUE", help="extra generator override")
+    p.add_argument("--generator-devices", default="",
+                   help="comma-separated torch.device of each generator in turn (e.g. cuda:0,cuda:1); default --device")
     args = p.parse_args(argv)
     if args.steps < 1 or args.generators < 1 or args.learner_nproc < 1:
         p.error("--steps, --generators and --learner-nproc must be >= 1")
@@ -93,9 +99,10 @@ def commands(args: argparse.Namespace, model: str, prefix: str, redis_url: str, 
     else:
         learner_cmd = [sys.executable, "-m", "actors.commands", "learner", *learner]
     gens = []
+    devices = [d for d in args.generator_devices.split(",") if d] or [args.device]
     for i in range(args.generators):
         g = [*common, f"generator_id=gen-{i}", "task.name=copy", f"torch.model.name={model}",
-             f"torch.device={args.device}", *args.generator]  # fmt: skip
+             f"torch.device={devices[i % len(devices)]}", *args.generator]  # fmt: skip
         if args.device == "cpu":
             g.append("torch.num_threads=1")
         gens.append([sys.executable, "-m", "actors.commands", "generator", *g])
@@ -126,7 +133,8 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
     if block:
         out["publish_block_s"] = med(block)
         out["publish_block_frac"] = med(block) / interval if interval else None
-    for key, name in (("weights/delta_ratio", "delta_bytes_ratio"), ("weights/publish_latency_s", "publish_latency_s")):
+    for key, name in (("weights/delta_ratio", "delta_bytes_ratio"), ("weights/publish_latency_s", "publish_latency_s"),
+                      ("weights/gpu_publish_latency_s", "gpu_publish_latency_s")):
         out[name] = med(col(key)) if col(key) else None
     skipped = col("weights/versions_skipped", events)
     out["versions_skipped"] = int(max(skipped)) if skipped else None
@@ -177,8 +185,30 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
         if b.tokens_per_s > 0:
             rates.setdefault(b.generator_id, []).append(b.tokens_per_s)
     out["generator_tokens_per_s"] = sum(med(r) for r in rates.values()) if rates else None
+    out["version_to_applied_s"] = version_to_applied([b for b in beats if start is None or b.sent_at >= start])
     out["generators_seen"] = sorted(latest)
     return out
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def version_to_applied(beats: list[Any]) -> dict[str, Any] | None:
+    """Seconds from the learner's snapshot of a version to a generator's swap to it (the heartbeats' per-version
+    ``applied_latency_s``): p50 and p95 over all generators, and per generator."""
+    per: dict[str, list[float]] = {}
+    for b in beats:
+        per.setdefault(b.generator_id, []).extend(getattr(b, "applied_latency_s", []))
+    every = [x for xs in per.values() for x in xs]
+    if not every:
+        return None
+
+    def stats(xs: list[float]) -> dict[str, float]:
+        return {"p50": round(_quantile(xs, 0.5), 4), "p95": round(_quantile(xs, 0.95), 4), "n": len(xs)}
+
+    return {**stats(every), "per_generator": {g: stats(xs) for g, xs in sorted(per.items()) if xs}}
 
 
 def tracebacks(run_dir: Path) -> list[str]:

@@ -679,6 +679,11 @@ class MegatronBackend(TrainingBackend):
         hf = mcore_to_hf(glob, self.arch, fused_experts=self.cfg.fused_experts_export)
         return iter(sorted(hf.items()))
 
+    @property
+    def publish_device(self) -> str:
+        """One rank: its GPU (the HF weights are converted there). Several: the gathered export is on the host."""
+        return f"cuda:{torch.cuda.current_device()}" if torch.distributed.get_world_size() == 1 else "cpu"
+
     def snapshot_source(self) -> Iterator[tuple[str, torch.Tensor]]:
         """One rank: the HF-named weights converted on the GPU (no host copy, no sync here), for the learner's pinned
         snapshot (a side stream copies them while the next step trains). Several ranks: the gathered export."""

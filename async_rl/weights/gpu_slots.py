@@ -1,0 +1,205 @@
+"""A rank's weight versions kept in its own GPU memory: a few slots of buckets, filled on a side stream.
+
+:class:`GpuSlots` plans the rank's pieces into buckets once (Hugging Face names, in the dtype the generators
+run, each piece at a 64-byte aligned offset, every bucket padded with zeros to a multiple of 4 KiB for
+:mod:`.gpu_checksum`), allocates ``num_slots`` sets of those buckets on first use, and exports each bucket
+once over CUDA IPC (:mod:`.cuda_ipc`). :meth:`GpuSlots.fill` copies the pieces into a slot:
+
+* on a side stream that first waits for the work already queued on the current stream (the optimizer's last
+  writes), so the training thread never waits on the host;
+* the current stream then waits for the copies only (not for the checksums), so the next optimizer step can
+  not change a weight before it is copied;
+* the buckets' checksums are computed on the same side stream and copied to pinned host memory; the returned
+  :class:`GpuFill`'s event says when they (and the copies) are done.
+
+What a slot holds stays valid until the slot is filled again: :mod:`.gpu_publisher` decides when that is safe
+(no reader lease on the version it holds). The CPU path works too (no stream, no export), for tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from async_rl.weights.cuda_ipc import IpcHandle, export
+from async_rl.weights.gpu_checksum import padded, to_unsigned, wsum64
+from async_rl.weights.manifest import DTYPE_NAMES, BucketEntry, ManifestTensor, PieceEntry, plan_sizes
+from async_rl.weights.snapshot import Piece
+
+
+@dataclass(slots=True)
+class _Placed:
+    """Where one piece goes: its bucket and offset, and its place in the full tensor."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    """The piece's own shape."""
+    full_shape: tuple[int, ...]
+    dim: int
+    start: int
+    length: int
+    """-1: the whole tensor."""
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class GpuFill:
+    """One version copied into a slot; its checksums are ready once ``event`` has completed."""
+
+    version: int
+    slot: int
+    taken_at: float
+    """Unix time the copy was queued."""
+    block_s: float
+    """Seconds the caller spent queueing it (what the training loop waited)."""
+    event: torch.cuda.Event | None
+    """Recorded after the checksums on the side stream (None on the CPU: done already)."""
+    sums: torch.Tensor
+    """int64 ``[num_buckets]`` in (pinned) host memory: valid after ``event``."""
+
+    def wait(self) -> list[int]:
+        """Block until the copy and the checksums are done; the checksums, unsigned."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [to_unsigned(int(x)) for x in self.sums.tolist()]
+
+
+class GpuSlots:
+    """``num_slots`` versions of one rank's pieces in GPU buckets (see the module docstring)."""
+
+    device: torch.device
+    num_slots: int
+    bucket_bytes: int
+    dtype: torch.dtype | None
+    rank: int
+    placed: list[_Placed]
+    bucket_sizes: list[int]
+    """Bytes of each bucket the pieces use (the buffers are padded past it)."""
+    _key: tuple | None
+    _buffers: list[list[torch.Tensor] | None]
+    _views: list[list[torch.Tensor]]
+    _handles: list[list[IpcHandle]]
+    _stream: torch.cuda.Stream | None
+
+    def __init__(self, device: torch.device | str, *, num_slots: int = 2, bucket_bytes: int = 1 << 30,
+                 dtype: torch.dtype | None = None, rank: int = 0) -> None:  # fmt: skip
+        if num_slots < 1:
+            raise ValueError("publisher.gpu_slots must be >= 1")
+        self.device = torch.device(device)
+        self.num_slots = num_slots
+        self.bucket_bytes = bucket_bytes
+        self.dtype = dtype
+        self.rank = rank
+        self.placed = []
+        self.bucket_sizes = []
+        self._key = None
+        self._buffers = [None] * num_slots
+        self._views = [[] for _ in range(num_slots)]
+        self._handles = [[] for _ in range(num_slots)]
+        self._stream = None
+
+    @property
+    def device_bytes(self) -> int:
+        """GPU bytes held by the allocated slots."""
+        return sum(b.numel() for bufs in self._buffers if bufs is not None for b in bufs)
+
+    def _plan(self, pieces: list[Piece]) -> None:
+        key = tuple((p.name, tuple(p.tensor.shape), p.tensor.dtype, p.full_shape, p.dim, p.start) for p in pieces)
+        if self._key is not None:
+            if key != self._key:
+                raise ValueError("weights: the pieces' names, shapes or dtypes changed during the run; the GPU slots "
+                                 "were planned for the first version")  # fmt: skip
+            return
+        placed = []
+        for p in pieces:
+            p.check()
+            dtype = self.dtype if self.dtype is not None and p.tensor.is_floating_point() else p.tensor.dtype
+            if dtype not in DTYPE_NAMES:
+                raise ValueError(f"weights: tensor {p.name!r} has unsupported dtype {dtype}")
+            shape = tuple(p.tensor.shape)
+            full = shape if p.whole else tuple(p.full_shape or ())
+            length = -1 if p.whole else shape[p.dim]
+            nbytes = p.tensor.numel() * dtype.itemsize
+            placed.append(_Placed(p.name, dtype, shape, full, p.dim, p.start, length, 0, 0, nbytes))
+        places, sizes = plan_sizes([x.nbytes for x in placed], self.bucket_bytes)
+        for x, (bucket, offset) in zip(placed, places, strict=True):
+            x.bucket, x.offset = bucket, offset
+        self.placed, self.bucket_sizes, self._key = placed, sizes, key
+
+    def _allocate(self, slot: int) -> list[torch.Tensor]:
+        bufs = self._buffers[slot]
+        if bufs is None:
+            bufs = [torch.zeros(padded(n), dtype=torch.uint8, device=self.device) for n in self.bucket_sizes]
+            self._buffers[slot] = bufs
+            self._views[slot] = [
+                bufs[x.bucket][x.offset : x.offset + x.nbytes].view(x.dtype).view(x.shape) for x in self.placed
+            ]
+            if self.device.type == "cuda":
+                self._handles[slot] = [export(b) for b in bufs]
+        return bufs
+
+    def handles(self, slot: int) -> list[IpcHandle]:
+        """The IPC handles of a filled slot's buckets (CUDA only)."""
+        return self._handles[slot]
+
+    def tensors(self, slot: int) -> list[Piece]:
+        """The pieces as views of a filled slot (valid until the slot is filled again)."""
+        return [Piece(x.name, v, None if x.length < 0 else x.full_shape, x.dim, x.start)
+                for x, v in zip(self.placed, self._views[slot], strict=True)]  # fmt: skip
+
+    def manifest_parts(self, sums: list[int], first_bucket: int = 0) -> tuple[list[ManifestTensor], list[BucketEntry]]:
+        """This rank's tensors (raw pieces; their checksum is the bucket's) and buckets, indices from ``first_bucket``."""
+        tensors = [
+            ManifestTensor(x.name, DTYPE_NAMES[x.dtype], x.full_shape, [
+                PieceEntry(first_bucket + x.bucket, x.offset, x.nbytes, 0, x.dim if x.length >= 0 else 0,
+                           x.start if x.length >= 0 else 0, x.length, "raw", self.rank)])
+            for x in self.placed
+        ]  # fmt: skip
+        buckets = [BucketEntry(first_bucket + i, padded(n), s)
+                   for i, (n, s) in enumerate(zip(self.bucket_sizes, sums, strict=True))]  # fmt: skip
+        return tensors, buckets
+
+    def fill(self, slot: int, version: int, source: Iterable[Piece | tuple[str, torch.Tensor]]) -> GpuFill:
+        """Copy ``source`` (this rank's pieces) into ``slot`` and queue their checksums (module docstring)."""
+        t0 = time.perf_counter()
+        taken_at = time.time()
+        pieces = [p if isinstance(p, Piece) else Piece(p[0], p[1]) for p in source]
+        names = [p.name for p in pieces]
+        if len(set(names)) != len(names):
+            raise ValueError("weights: a rank gave the same piece twice")
+        self._plan(pieces)
+        bufs = self._allocate(slot)
+        views = self._views[slot]
+        cuda = self.device.type == "cuda"
+        if not cuda:
+            with torch.no_grad():
+                for v, p in zip(views, pieces, strict=True):
+                    v.copy_(p.tensor.detach())
+            sums = torch.stack([wsum64(b) for b in bufs]) if bufs else torch.zeros(0, dtype=torch.int64)
+            return GpuFill(version, slot, taken_at, time.perf_counter() - t0, None, sums)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        stream = self._stream
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)  # after the optimizer's last writes
+        copied = torch.cuda.Event()
+        done = torch.cuda.Event()
+        host = torch.empty(len(bufs), dtype=torch.int64, pin_memory=True)
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for v, p in zip(views, pieces, strict=True):
+                src = p.tensor.detach()
+                v.copy_(src, non_blocking=True)
+                if src.device.type == "cuda":
+                    src.record_stream(stream)  # a temporary (a converted tensor) is not reused before the copy ran
+            copied.record(stream)
+            if bufs:
+                host.copy_(torch.stack([wsum64(b) for b in bufs]), non_blocking=True)
+            done.record(stream)
+        current.wait_event(copied)  # the next optimizer step waits for the copies, never the host
+        return GpuFill(version, slot, taken_at, time.perf_counter() - t0, done, host)
