@@ -94,6 +94,9 @@ class Heartbeat:
     """Seconds spent in the engine generating since start: its growth over wall time is the busy share."""
     version_wait_s: float = 0.0
     """Seconds spent waiting for the weight version a prompt asked for (synchronous mode) since start."""
+    staged_latency_s: list[float] = field(default_factory=list)
+    """For each weight version staged since the previous heartbeat: seconds from the learner's snapshot of it to
+    its hand-over to the engine (fetched and verified)."""
     applied_latency_s: list[float] = field(default_factory=list)
     """For each weight version swapped in since the previous heartbeat: seconds from the learner's snapshot of it
     to the swap (same host: one clock)."""

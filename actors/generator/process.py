@@ -246,6 +246,7 @@ class Generator:
             fetch_s=self._sync.last_fetch.total_s if self._sync and self._sync.last_fetch else 0.0,
             generate_s=self.generate_s, version_wait_s=self.version_wait_s,
             applied_latency_s=self._applied_latencies(),
+            staged_latency_s=self._sync.take_staged_latencies() if self._sync is not None else [],
         )  # fmt: skip
 
     def _applied_latencies(self) -> list[float]:

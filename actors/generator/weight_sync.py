@@ -78,6 +78,8 @@ class WeightSync:
     """The same-host GPU path (None: host transport only; dropped when this process cannot map the buffers)."""
     taken_at: dict[int, float]
     """Unix time each recently staged version's snapshot began on the learner (0: not said), by version."""
+    staged_latencies: list[float]
+    """Snapshot-to-staged seconds of the versions staged since the last :meth:`take_staged_latencies`."""
     num_staged: int
     num_refused: int
     """Versions refused as corrupt or rejected by the engine."""
@@ -116,6 +118,7 @@ class WeightSync:
         self.gpu = gpu
         self.host_wanted = self.gpu_wanted = -1
         self.taken_at = {}
+        self.staged_latencies = []
         self.reader = reader
         self.names = names
         self.cfg = cfg or WeightSyncConfig()
@@ -134,6 +137,10 @@ class WeightSync:
         self._sub = None
         self._failures_in_a_row = 0
         self.where = where or f"prefix {names.prefix}"
+
+    def take_staged_latencies(self) -> list[float]:
+        out, self.staged_latencies = self.staged_latencies, []
+        return out
 
     @property
     def num_failures(self) -> int:
@@ -302,6 +309,8 @@ class WeightSync:
             # The base of the next delta (the engine only reads these tensors); a GPU version is never a delta's base.
             self._held = fetched if fetched.manifest.ipc is None else None
             self.taken_at[fetched.version] = fetched.manifest.taken_at
+            if fetched.manifest.taken_at > 0 and len(self.staged_latencies) < TAKEN_AT_KEPT:
+                self.staged_latencies.append(round(time.time() - fetched.manifest.taken_at, 6))
             while len(self.taken_at) > TAKEN_AT_KEPT:
                 del self.taken_at[min(self.taken_at)]
             self.bytes_fetched += fetched.bytes_fetched

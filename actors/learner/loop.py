@@ -560,6 +560,8 @@ def _publish_metrics(records: list[PublishRecord]) -> dict[str, float]:
     gpu = [r for r in records if r.kind == GPU_TRANSPORT]
     if gpu:  # snapshot queued to the version visible in GPU buffers (same-host generators)
         out["weights/gpu_publish_latency_s"] = gpu[-1].latency_s
+        out["weights/gpu_wait_s"] = gpu[-1].stats.pack_s  # the GPU's copies and checksums, seen from the host
+        out["weights/gpu_commit_s"] = gpu[-1].stats.put_s  # manifest committed and announced
     return out
 
 

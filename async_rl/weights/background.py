@@ -163,6 +163,7 @@ class BackgroundPublisher:
             manifest: Manifest = await pub.commit(
                 snap.version, [part], base=-1 if base is None else self._base.version,  # type: ignore[union-attr]
                 full_version=pub.newest_full, started_at=snap.taken_at,
+                taken_at=time.time() - (time.perf_counter() - snap.taken_at),
             )  # fmt: skip
         except Exception as exc:  # raised by the next offer/flush: the learner fails as with an inline publish
             log.error("publishing weights v%d failed: %r", snap.version, exc)

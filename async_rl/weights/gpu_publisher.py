@@ -194,7 +194,9 @@ class GpuPublisher:
                 self._queued.pop(fill.slot, None)
 
     async def _commit(self, fill: GpuFill) -> None:
+        t0 = time.perf_counter()
         sums = await asyncio.to_thread(fill.wait)
+        t1 = time.perf_counter()
         tensors, buckets = self.slots.manifest_parts(sums)
         placement = IpcPlacement(host_key(), self.slots.handles(fill.slot))
         manifest = Manifest(version=fill.version, tensors=tensors, buckets=buckets, transport=TRANSPORT,
@@ -211,8 +213,9 @@ class GpuPublisher:
                 version=fill.version, manifest_key=n.weights_gpu_manifest(fill.version),
                 total_bytes=manifest.total_bytes, num_buckets=manifest.num_buckets, transport=TRANSPORT))  # fmt: skip
         latency_s = time.time() - fill.taken_at
-        stats = PublishStats(fill.version, manifest.total_bytes, manifest.num_buckets, 0.0, 0.0, latency_s, TRANSPORT,
-                             manifest.full_bytes)  # fmt: skip
+        # pack_s: waiting for the GPU's copies and checksums; put_s: the manifest's commit and announcement.
+        stats = PublishStats(fill.version, manifest.total_bytes, manifest.num_buckets, t1 - t0,
+                             time.perf_counter() - t1, latency_s, TRANSPORT, manifest.full_bytes)  # fmt: skip
         record = PublishRecord(fill.version, TRANSPORT, manifest.total_bytes, manifest.full_bytes, fill.block_s,
                                latency_s, stats)  # fmt: skip
         self.records.append(record)

@@ -304,10 +304,11 @@ class WeightPublisher:
         base: int = -1,
         full_version: int = -1,
         started_at: float | None = None,
+        taken_at: float = 0.0,
     ) -> Manifest:
         """Rank 0, once every rank's part is written: merge them into the manifest and make ``version`` visible.
         ``base`` (-1: a full version) is the version the parts' deltas apply to; ``full_version`` the full version
-        its chain starts from."""
+        its chain starts from. ``taken_at``: unix time the snapshot of it began (readers measure snapshot-to-applied)."""
         t0 = time.perf_counter() if started_at is None else started_at
         merged: dict[str, ManifestTensor] = {}
         for part in sorted(parts, key=lambda p: p.rank):
@@ -327,7 +328,7 @@ class WeightPublisher:
         manifest = Manifest(
             version=version, tensors=list(merged.values()), buckets=buckets, transport=self.transport.name,
             checksum=self.checksum, kind="delta" if delta_version else "full", base=base,
-            full_version=full_version if delta_version else version, num_ranks=len(parts),
+            full_version=full_version if delta_version else version, num_ranks=len(parts), taken_at=taken_at,
         )  # fmt: skip
         try:
             manifest.validate()

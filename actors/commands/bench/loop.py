@@ -134,7 +134,8 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
         out["publish_block_s"] = med(block)
         out["publish_block_frac"] = med(block) / interval if interval else None
     for key, name in (("weights/delta_ratio", "delta_bytes_ratio"), ("weights/publish_latency_s", "publish_latency_s"),
-                      ("weights/gpu_publish_latency_s", "gpu_publish_latency_s")):
+                      ("weights/gpu_publish_latency_s", "gpu_publish_latency_s"), ("weights/gpu_wait_s", "gpu_wait_s"),
+                      ("weights/gpu_commit_s", "gpu_commit_s")):
         out[name] = med(col(key)) if col(key) else None
     skipped = col("weights/versions_skipped", events)
     out["versions_skipped"] = int(max(skipped)) if skipped else None
@@ -185,7 +186,9 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
         if b.tokens_per_s > 0:
             rates.setdefault(b.generator_id, []).append(b.tokens_per_s)
     out["generator_tokens_per_s"] = sum(med(r) for r in rates.values()) if rates else None
-    out["version_to_applied_s"] = version_to_applied([b for b in beats if start is None or b.sent_at >= start])
+    steady_beats = [b for b in beats if start is None or b.sent_at >= start]
+    out["version_to_applied_s"] = version_to_applied(steady_beats)
+    out["version_to_staged_s"] = _latencies(steady_beats, "staged_latency_s")
     out["generators_seen"] = sorted(latest)
     return out
 
@@ -198,9 +201,13 @@ def _quantile(values: list[float], q: float) -> float:
 def version_to_applied(beats: list[Any]) -> dict[str, Any] | None:
     """Seconds from the learner's snapshot of a version to a generator's swap to it (the heartbeats' per-version
     ``applied_latency_s``): p50 and p95 over all generators, and per generator."""
+    return _latencies(beats, "applied_latency_s")
+
+
+def _latencies(beats: list[Any], field: str) -> dict[str, Any] | None:
     per: dict[str, list[float]] = {}
     for b in beats:
-        per.setdefault(b.generator_id, []).extend(getattr(b, "applied_latency_s", []))
+        per.setdefault(b.generator_id, []).extend(getattr(b, field, []))
     every = [x for xs in per.values() for x in xs]
     if not every:
         return None
