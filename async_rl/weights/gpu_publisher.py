@@ -40,7 +40,7 @@ from async_rl.control import ControlPlane, WeightsAnnounced
 from async_rl.names import Names
 from async_rl.weights.background import BackgroundPublisher, PublishRecord, Source
 from async_rl.weights.config import PublisherConfig
-from async_rl.weights.cuda_ipc import host_key
+from async_rl.weights.cuda_ipc import fast_thread_handoffs, host_key
 from async_rl.weights.gpu_slots import GpuFill, GpuSlots
 from async_rl.weights.manifest import DTYPES, GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
 from async_rl.weights.publisher import PublishStats
@@ -123,6 +123,7 @@ class GpuPublisher:
         self._error = None
         self._hmac_key = run_secret(cfg.secret_file)
         self._on_commit = on_commit
+        fast_thread_handoffs()
 
     async def clean(self) -> None:
         """Forget GPU versions a previous learner left (their buffers died with it): readers then wait for ours."""
@@ -252,9 +253,13 @@ class GpuPublisher:
                 del self._held[slot]
 
     async def wait_idle(self) -> None:
-        """Wait until every queued version is committed and the host hand-over (if any) took its snapshot."""
-        for task in (self._task, self._host_task):
-            if task is not None:
+        """Wait until every queued version is committed and the host hand-over (if any) took its snapshot (a commit
+        may start a hand-over: both are looked at again until neither runs)."""
+        while True:
+            running = [t for t in (self._task, self._host_task) if t is not None and not t.done()]
+            if not running:
+                return
+            for task in running:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(task)
 

@@ -24,7 +24,7 @@ import torch
 
 from async_rl.names import Names
 from async_rl.weights.config import ReaderConfig
-from async_rl.weights.cuda_ipc import IpcMapper, IpcUnavailable, host_key
+from async_rl.weights.cuda_ipc import IpcMapper, IpcUnavailable, fast_thread_handoffs, host_key
 from async_rl.weights.gpu_checksum import to_unsigned, wsum64
 from async_rl.weights.manifest import DTYPES, Manifest, ManifestError, ManifestTensor
 from async_rl.weights.reader import _LEASE_LUA, CorruptVersion, FetchedVersion, VersionUnavailable
@@ -56,6 +56,7 @@ class GpuReader:
         self.hmac_key = run_secret(self.cfg.secret_file)
         self.mapper = IpcMapper()
         self._stream = None
+        fast_thread_handoffs()
 
     async def latest_version(self) -> int | None:
         raw = await self.redis.get(self.names.weights_gpu_latest)
