@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from async_rl.checksums import CHECKSUMS
-from async_rl.transport import MAX_BUCKET_BYTES
+from async_rl.weights.transport import MAX_BUCKET_BYTES
 
 # zstd's highest compression level (the zstandard package is not imported here: configs stay light).
 ZSTD_MAX_LEVEL = 22
