@@ -127,7 +127,7 @@ class Names:
 
     def weights_relays(self, version: int) -> str:
         """Hash of the peers holding or receiving a version over the ``peer://`` transport (peer id -> JSON
-        entry: addresses, parent, depth, progress, expiry; see :mod:`async_rl.peer.topology`)."""
+        entry: addresses, parent, depth, progress, expiry; see :mod:`async_rl.weights.peer.topology`)."""
         return self.key("weights", version, "relays")
 
     @property

@@ -65,7 +65,7 @@ def generator_selectors(n: Names) -> list[str]:
         f"(~{p}:weights:*:readers +zadd +zrem +zrange +pexpireat)",
         # ask for a full version (a late joiner, a refused delta): the publisher takes the set before its next one
         f"(~{n.weights_want_full} +zadd)",
-        # peer relay (peer://): register as a source of a version, pick a parent (async_rl/peer/topology.py scripts)
+        # peer relay (peer://): register as a source of a version, pick a parent (async_rl/weights/peer/topology.py scripts)
         f"(~{p}:weights:*:relays +eval +evalsha +hset +hdel +hgetall +pexpire)",
         "(+script|load)",
     ]

@@ -14,8 +14,8 @@ from async_rl.prom import PrometheusConfig
 from async_rl.run_config import RunConfig
 from async_rl.sampling import Sampling
 from async_rl.tasks.config import TaskConfig
-from async_rl.transport import TransportConfig
 from async_rl.weights.config import ReaderConfig
+from async_rl.weights.transport import TransportConfig
 from buffer.prompts import PromptQueueConfig
 from buffer.rollouts import RolloutWriterConfig
 

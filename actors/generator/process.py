@@ -35,9 +35,9 @@ from async_rl.run_end import read_run_end
 from async_rl.sampling import Sampling
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
-from async_rl.transport import make_transport
 from async_rl.weights import WeightReader
 from async_rl.weights.gpu_reader import GpuReader
+from async_rl.weights.transport import make_transport
 from async_rl.wire_types import GroupRecord, Sample
 from buffer.prompts import PromptEntry, PromptQueue
 from buffer.rollouts import RolloutWriter

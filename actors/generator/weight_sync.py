@@ -45,12 +45,12 @@ from actors.generator.engine import Engine, StagingStream
 from async_rl.control import ControlPlane, Message, WeightsAnnounced
 from async_rl.lifecycle import raise_if_cancel_requested
 from async_rl.names import Names
-from async_rl.transport import TransportError
 from async_rl.weights import CorruptVersion, FetchedVersion, VersionUnavailable, WeightReader
 from async_rl.weights.cuda_ipc import IpcUnavailable
 from async_rl.weights.gpu_reader import GpuReader
 from async_rl.weights.manifest import GPU_TRANSPORT, Manifest
 from async_rl.weights.reader import Sink, StreamOpener, WeightsError
+from async_rl.weights.transport import TransportError
 
 log = logging.getLogger(__name__)
 

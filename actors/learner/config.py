@@ -16,8 +16,8 @@ from async_rl.run_config import RunConfig
 from async_rl.sampling import Sampling
 from async_rl.scaling import ScalingConfig
 from async_rl.tasks.config import TaskConfig
-from async_rl.transport import TransportConfig
 from async_rl.weights.config import PublisherConfig
+from async_rl.weights.transport import TransportConfig
 from buffer.prompts import PromptQueueConfig
 from buffer.rollouts import RolloutReaderConfig
 from buffer.staleness import StalenessConfig

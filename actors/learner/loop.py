@@ -53,11 +53,11 @@ from async_rl.reach import redis_client
 from async_rl.run_end import announce_run_end, clear_run_end
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
-from async_rl.transport import make_transport
 from async_rl.weights import WeightPublisher
 from async_rl.weights.background import BackgroundPublisher, PublishRecord
 from async_rl.weights.gpu_publisher import GpuPublisher
 from async_rl.weights.manifest import GPU_TRANSPORT
+from async_rl.weights.transport import make_transport
 from buffer.dead_letters import error_line
 from buffer.entry_checks import EntryChecker, ModelFacts
 from buffer.prompts import PromptQueue

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from async_rl.checksums import CHECKSUMS
-from async_rl.transport import MAX_BUCKET_BYTES
+from async_rl.weights.transport import MAX_BUCKET_BYTES
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 """dtypes a GPU-held version may be published in (names of async_rl.weights.manifest.DTYPES)."""

@@ -4,7 +4,7 @@ Protocol (keys from :class:`~async_rl.names.Names`):
 
 1. ``weights:staging`` records the version and its bucket count, so a publisher that dies
    mid-way leaves nothing a later publisher cannot find and delete;
-2. every rank writes its own pieces' buckets through the :class:`~async_rl.transport.BucketTransport`
+2. every rank writes its own pieces' buckets through the :class:`~async_rl.weights.transport.BucketTransport`
    (:meth:`WeightPublisher.write_rank`: payloads encoded against the rank's copy of the base version
    when the version is a delta, see :mod:`.delta`), bucket indices from ``first_bucket`` on;
 3. rank 0 merges the ranks' parts into the manifest and one Lua script writes it, adds the version to
@@ -32,7 +32,6 @@ import torch
 
 from async_rl.control import ControlPlane, WeightsAnnounced
 from async_rl.names import Names
-from async_rl.transport import BucketTransport
 from async_rl.weights import delta
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.manifest import (
@@ -47,6 +46,7 @@ from async_rl.weights.manifest import (
 )
 from async_rl.weights.signing import run_secret
 from async_rl.weights.snapshot import Piece
+from async_rl.weights.transport import BucketTransport
 
 log = logging.getLogger(__name__)
 

@@ -35,11 +35,11 @@ from redis.exceptions import RedisError
 
 from async_rl.checksums import CHECKSUMS
 from async_rl.names import Names
-from async_rl.transport import BucketCorrupt, BucketMissing, BucketTransport
 from async_rl.weights import delta
 from async_rl.weights.config import ReaderConfig
 from async_rl.weights.manifest import DTYPES, Manifest, ManifestError, ManifestTensor
 from async_rl.weights.signing import run_secret
+from async_rl.weights.transport import BucketCorrupt, BucketMissing, BucketTransport
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ import torch
 
 from async_rl.names import Names
 from async_rl.servers import ServerSet
-from async_rl.transport import TransportConfig, make_transport
 from async_rl.weights.background import BackgroundPublisher
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.gpu_publisher import GpuPublisher
 from async_rl.weights.publisher import WeightPublisher
 from async_rl.weights.reader import WeightReader
+from async_rl.weights.transport import TransportConfig, make_transport
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]

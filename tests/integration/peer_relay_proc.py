@@ -10,7 +10,7 @@ import asyncio
 import sys
 
 from async_rl.names import Names
-from async_rl.transport import TransportConfig, make_transport
+from async_rl.weights.transport import TransportConfig, make_transport
 
 
 async def main(redis_url: str, prefix: str, version: int, url: str) -> None:

@@ -16,10 +16,10 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from actors.commands.acl import main as acl_main
 from async_rl.names import Names
-from async_rl.peer.topology import RelayEntry, Topology
 from async_rl.servers import EmbeddedServer, _spawn, free_port, valkey_binary
-from async_rl.transport import RedisTransport
 from async_rl.weights import WeightPublisher, WeightReader
+from async_rl.weights.peer.topology import RelayEntry, Topology
+from async_rl.weights.redis_transport import RedisTransport
 from async_rl.wire import PromptSpec
 from buffer.audit import audit_run
 from buffer.entry_checks import EntryChecker, ModelFacts

@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 from async_rl.models import build_model
 from async_rl.names import Names
 from async_rl.servers import ServerSet
-from async_rl.transport import RedisTransport
 from async_rl.weights import PublisherConfig, WeightPublisher
+from async_rl.weights.redis_transport import RedisTransport
 from tests.integration.procs import GENERATOR_TEST_ARGS
 
 # The generator's own entry point, with its weight-fetch loop broken the way a bug would break it: the first

@@ -19,8 +19,8 @@ from async_rl.control import ControlPlane, Heartbeat, Message
 from async_rl.names import Names
 from async_rl.reach import Unreachable, probe_nats, probe_redis
 from async_rl.servers import EmbeddedServer, _spawn, free_port, nats_binary
-from async_rl.transport import RedisTransport
 from async_rl.weights import WeightPublisher, WeightReader
+from async_rl.weights.redis_transport import RedisTransport
 from async_rl.wire import PromptSpec
 from buffer.prompts import PromptQueue
 

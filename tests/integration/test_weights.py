@@ -14,7 +14,6 @@ import torch
 from async_rl.control import ControlPlane, WeightsAnnounced
 from async_rl.names import Names
 from async_rl.servers import ServerSet
-from async_rl.transport import BucketTransport, RedisTransport, SharedMemoryTransport
 from async_rl.weights import (
     DTYPES,
     CorruptVersion,
@@ -23,6 +22,9 @@ from async_rl.weights import (
     WeightPublisher,
     WeightReader,
 )
+from async_rl.weights.redis_transport import RedisTransport
+from async_rl.weights.shm_transport import SharedMemoryTransport
+from async_rl.weights.transport import BucketTransport
 from tests.integration.killing import kill_mid_version
 
 
@@ -114,7 +116,7 @@ _KILLED_PUBLISHER = textwrap.dedent(
     """
     import asyncio, sys, torch, redis.asyncio as aioredis
     from async_rl.names import Names
-    from async_rl.transport import RedisTransport
+    from async_rl.weights.redis_transport import RedisTransport
     from async_rl.weights import WeightPublisher
     from async_rl.weights.config import PublisherConfig
 
@@ -221,7 +223,7 @@ async def test_publish_announces_on_nats(redis_client: aioredis.Redis, names: Na
 
 async def test_transport_errors_are_named(servers: ServerSet, names: Names, tmp_path: Path) -> None:
     from async_rl.servers import free_port
-    from async_rl.transport import BucketMissing, TransportConfig, TransportError, make_transport
+    from async_rl.weights.transport import BucketMissing, TransportConfig, TransportError, make_transport
 
     t = make_transport(TransportConfig(), servers.redis_url, names)
     with pytest.raises(BucketMissing, match="bucket 0 of weights version 9 is missing"):

@@ -16,11 +16,11 @@ from actors.generator.weight_sync import WeightSync
 from async_rl.models import ModelConfig, build_model
 from async_rl.names import Names
 from async_rl.servers import ServerSet
-from async_rl.transport import RedisTransport
 from async_rl.weights import CorruptVersion, VersionUnavailable, WeightPublisher, WeightReader
 from async_rl.weights.background import BackgroundPublisher
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.manifest import Manifest
+from async_rl.weights.redis_transport import RedisTransport
 from async_rl.weights.snapshot import Piece
 from tests.integration.killing import kill_mid_version
 
@@ -321,7 +321,7 @@ _KILLED_LEARNER = textwrap.dedent(
     """
     import asyncio, sys, torch, redis.asyncio as aioredis
     from async_rl.names import Names
-    from async_rl.transport import RedisTransport
+    from async_rl.weights.redis_transport import RedisTransport
     from async_rl.weights import WeightPublisher
     from async_rl.weights.background import BackgroundPublisher
     from async_rl.weights.config import PublisherConfig

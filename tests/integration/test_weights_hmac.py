@@ -13,9 +13,9 @@ import torch
 
 from async_rl.names import Names
 from async_rl.servers import ServerSet
-from async_rl.transport import RedisTransport
 from async_rl.weights import CorruptVersion, PublisherConfig, ReaderConfig, WeightPublisher, WeightReader
 from async_rl.weights.manifest import Manifest
+from async_rl.weights.redis_transport import RedisTransport
 from async_rl.weights.signing import RUN_SECRET_ENV, run_secret
 
 

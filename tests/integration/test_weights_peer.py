@@ -18,12 +18,12 @@ import torch
 import xxhash
 
 from async_rl.names import Names
-from async_rl.peer.store import Bucket, new_bucket_memory
-from async_rl.peer.topology import RelayEntry
-from async_rl.peer.transport import PeerTransport
 from async_rl.servers import ServerSet
-from async_rl.transport import TransportConfig, TransportError, make_transport
 from async_rl.weights import PublisherConfig, WeightPublisher, WeightReader
+from async_rl.weights.peer.store import Bucket, new_bucket_memory
+from async_rl.weights.peer.topology import RelayEntry
+from async_rl.weights.peer.transport import PeerTransport
+from async_rl.weights.transport import TransportConfig, TransportError, make_transport
 
 REPO = Path(__file__).resolve().parents[2]
 BUCKET_BYTES = 64 << 10

@@ -17,9 +17,9 @@ from async_rl.control import ControlPlane, WeightsAnnounced
 from async_rl.models import ModelConfig, build_model
 from async_rl.names import Names
 from async_rl.servers import ServerSet
-from async_rl.transport import RedisTransport
 from async_rl.weights import WeightPublisher, WeightReader
 from async_rl.weights.config import PublisherConfig
+from async_rl.weights.redis_transport import RedisTransport
 
 PRESET = "tiny-moe"
 

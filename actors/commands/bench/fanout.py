@@ -192,8 +192,8 @@ async def _publisher_worker(args: argparse.Namespace) -> None:
     import xxhash
 
     from async_rl.names import Names
-    from async_rl.transport import TransportConfig, make_transport
     from async_rl.weights import PublisherConfig, WeightPublisher
+    from async_rl.weights.transport import TransportConfig, make_transport
 
     r = aioredis.Redis.from_url(args.redis_url)
     tensors: dict[str, torch.Tensor] = {}
@@ -243,9 +243,9 @@ async def _generator_worker(args: argparse.Namespace) -> None:
     import xxhash
 
     from async_rl.names import Names
-    from async_rl.transport import TransportConfig, make_transport
     from async_rl.weights import WeightReader
     from async_rl.weights.config import ReaderConfig
+    from async_rl.weights.transport import TransportConfig, make_transport
 
     r = aioredis.Redis.from_url(args.redis_url)
     state: dict[str, Any] = {}

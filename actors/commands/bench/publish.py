@@ -141,11 +141,11 @@ async def _mode(mode: str, args: argparse.Namespace, model: str, redis_url: str)
     import redis.asyncio as aioredis
 
     from async_rl.names import Names
-    from async_rl.transport import RedisTransport
     from async_rl.weights import WeightPublisher, WeightReader
     from async_rl.weights.background import BackgroundPublisher
     from async_rl.weights.config import PublisherConfig
     from async_rl.weights.reader import FetchedVersion
+    from async_rl.weights.redis_transport import RedisTransport
 
     trainer = _Trainer(args, model)
     names = Names(prefix=f"bench-publish-{uuid.uuid4().hex[:8]}")

@@ -110,9 +110,10 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
     from async_rl.control import ControlPlane
     from async_rl.models import ModelConfig, build_model
     from async_rl.names import Names
-    from async_rl.transport import RespConnection, TransportConfig, make_transport
     from async_rl.weights import WeightPublisher, WeightReader
     from async_rl.weights.config import PublisherConfig
+    from async_rl.weights.redis_transport import RespConnection
+    from async_rl.weights.transport import TransportConfig, make_transport
 
     t_build = time.perf_counter()
     mcfg = _moe_config(target_bytes)

@@ -1,143 +1,42 @@
-"""How the bytes of weight buckets move: one interface, a Redis default, shared memory on one host.
-
-The version, the manifest, the leases and the announcement always go through Redis and NATS
-(:mod:`async_rl.weights`); only the bucket bytes go through a :class:`BucketTransport`, so a
-faster transport (direct TCP pull from the learner's ranks, NCCL) plugs in without touching the
-publisher, the reader or the generator.
+"""``redis://`` and ``rediss://``: weight buckets as Redis string values, moved over raw RESP sockets.
 
 :class:`RedisTransport` speaks just enough RESP on plain blocking sockets, run in worker threads,
 to SET a bucket straight from a memoryview and GET it straight into a preallocated buffer
 (``recv_into``): about 3x the throughput of redis-py's GET on large values here, because nothing
-is copied or reparsed in Python (see ``docs/weights.md``). :class:`SharedMemoryTransport` writes
-each bucket to a file under ``/dev/shm`` and readers map it: zero copies after the publisher's.
+is copied or reparsed in Python (see ``docs/weights.md``). Works across machines; the default
+transport (the run's own Redis).
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
-import contextlib
-import mmap
-import os
 import queue
-import shutil
 import socket
 import ssl
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, unquote, urlparse
 
-from async_rl.checksums import CHECKSUMS, checksum_stream
+from async_rl.checksums import checksum_stream
 from async_rl.lifecycle import redact_url
 from async_rl.names import Names
+from async_rl.weights.transport import (
+    MAX_BUCKET_BYTES,
+    BucketCorrupt,
+    BucketMissing,
+    BucketTransport,
+    TransportConfig,
+    TransportError,
+    register_transport,
+)
 
 # Kernel socket buffers large enough to keep the loopback pipe full between recv_into calls.
 SOCKET_BUFFER_BYTES = 4 << 20
-# Target bucket sizes are capped at Redis's default proto-max-bulk-len (512 MiB), its largest value.
-MAX_BUCKET_BYTES = 512 << 20
 # A bucket larger than this (one huge tensor, e.g. the LM head of a big-vocabulary model) is stored by the
 # Redis transport as consecutive values of this size, read back into one buffer.
 PART_BYTES = 256 << 20
 # Parts per bucket: 16 GiB buckets at most, and a bounded list of keys to delete per bucket.
 MAX_PARTS = 64
-SCHEMES = ("redis", "rediss", "shm", "peer")
-"""URL schemes of the bucket transports: each names one explicitly (see :func:`make_transport`)."""
 
-
-class TransportError(RuntimeError):
-    """The transport failed to move a bucket (connection lost, server error)."""
-
-
-class BucketMissing(TransportError):
-    """A bucket a manifest names is not there (pruned, or never written)."""
-
-
-class BucketCorrupt(TransportError):
-    """A bucket's stored size is not the size the manifest gives."""
-
-
-@dataclass(kw_only=True, slots=True)
-class TransportConfig:
-    """Which transport moves weight bucket bytes."""
-
-    url: str = ""
-    """Where bucket bytes go, chosen by the URL's scheme (:data:`SCHEMES`): '' is the run's own Redis;
-    ``redis://host:port/db`` another Redis (works across machines; ``rediss://`` over TLS, ``user:password@``
-    for an ACL user, ``?ssl_ca_certs=ca.pem`` for a private CA); ``shm:///dev/shm`` files under that tmpfs
-    directory (one host); ``peer://0.0.0.0:0?fanout=2`` buckets served over TCP by whoever holds them, the
-    publisher and then the generators themselves (:mod:`async_rl.peer`; many hosts). Any other scheme is
-    refused."""
-    connections: int = 2
-    """Redis connections (and worker threads) used for concurrent bucket reads/writes."""
-    timeout_s: float = 60.0
-    """Socket timeout for one bucket transfer."""
-
-    def __post_init__(self) -> None:
-        scheme = urlparse(self.url).scheme if self.url else "redis"
-        if scheme not in SCHEMES:
-            raise ValueError(f"transport.url scheme {scheme!r} is not one of {list(SCHEMES)} "
-                             f"(got {redact_url(self.url)!r})")  # fmt: skip
-        if scheme == "shm" and not urlparse(self.url).path:
-            raise ValueError(f"transport.url {redact_url(self.url)!r} names no directory (shm:///dev/shm)")
-        if scheme == "peer":
-            from async_rl.peer.config import parse_peer_url  # urllib only: configs stay light
-
-            parse_peer_url(self.url)
-        if self.connections < 1:
-            raise ValueError("transport.connections must be >= 1")
-        if self.timeout_s <= 0:
-            raise ValueError("transport.timeout_s must be > 0")
-
-
-class BucketTransport(abc.ABC):
-    """Moves the bytes of one weight bucket; keyed by (version, bucket index)."""
-
-    name: ClassVar[str]
-    durable: ClassVar[bool] = True
-    """The bytes outlive the process that put them (Redis, shared memory). False (``peer://``): they leave with it,
-    so a restarted learner publishes its weights again rather than pointing generators at a version nobody holds."""
-
-    @abc.abstractmethod
-    async def put(self, version: int, index: int, data: memoryview) -> None:
-        """Store bucket ``index`` of ``version`` (overwrites)."""
-
-    @abc.abstractmethod
-    async def get(self, version: int, index: int, nbytes: int | None = None) -> memoryview:
-        """The bytes of a bucket (``nbytes``: its size from the manifest, when known; needed for buckets
-        larger than one Redis value), writable or read-only; :class:`BucketMissing` if absent."""
-
-    async def get_checked(
-        self, version: int, index: int, checksum: str, nbytes: int | None = None
-    ) -> tuple[memoryview, int]:
-        """The bucket and its checksum under ``checksum`` (a transport that can hash while receiving does)."""
-        buf = await self.get(version, index, nbytes)
-        return buf, await asyncio.to_thread(CHECKSUMS[checksum], buf)
-
-    @abc.abstractmethod
-    async def delete(self, version: int, num_buckets: int) -> None:
-        """Remove every bucket of ``version`` (missing ones are fine)."""
-
-    async def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections."""
-
-
-def make_transport(cfg: TransportConfig, redis_url: str, names: Names) -> BucketTransport:
-    """The transport ``cfg.url`` names by its scheme ('' is the run's Redis at ``redis_url``)."""
-    url = cfg.url or redis_url
-    scheme = urlparse(url).scheme
-    if scheme in ("redis", "rediss"):
-        return RedisTransport(url, names, connections=cfg.connections, timeout_s=cfg.timeout_s)
-    if scheme == "shm":
-        return SharedMemoryTransport(names, root=urlparse(url).path)
-    if scheme == "peer":
-        from async_rl.peer.transport import PeerTransport  # imports this module: loaded on use
-
-        return PeerTransport(url, redis_url, names, timeout_s=cfg.timeout_s)
-    raise ValueError(f"transport: no transport for scheme {scheme!r} of {redact_url(url)!r}; known: {list(SCHEMES)}")
-
-
-# ---- Redis ---------------------------------------------------------------------------------
 
 
 def _command(*parts: bytes) -> bytes:
@@ -389,52 +288,11 @@ class RedisTransport(BucketTransport):
                 conn.close()
 
 
-# ---- shared memory (one host) --------------------------------------------------------------
 
 
-class SharedMemoryTransport(BucketTransport):
-    """Buckets as files under a tmpfs (``/dev/shm/<prefix>/v<version>/<index>``); readers map them."""
+def _from_config(url: str, cfg: TransportConfig, redis_url: str, names: Names) -> RedisTransport:
+    return RedisTransport(url, names, connections=cfg.connections, timeout_s=cfg.timeout_s)
 
-    name: ClassVar[str] = "shm"
-    root: Path
 
-    def __init__(self, names: Names, root: str | Path = "/dev/shm") -> None:
-        self.root = Path(root) / f"async-rl-{names.prefix}"
-
-    def _path(self, version: int, index: int) -> Path:
-        return self.root / f"v{version}" / f"{index}.bin"
-
-    async def put(self, version: int, index: int, data: memoryview) -> None:
-        path = self._path(version, index)
-
-        def write() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, path)
-
-        await asyncio.to_thread(write)
-
-    async def get(self, version: int, index: int, nbytes: int | None = None) -> memoryview:
-        path = self._path(version, index)
-
-        def open_map() -> memoryview:
-            with open(path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                if size == 0:
-                    return memoryview(b"")
-                return memoryview(mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ))
-
-        try:
-            return await asyncio.to_thread(open_map)
-        except FileNotFoundError:
-            raise BucketMissing(f"bucket {index} of weights version {version} is missing ({path})") from None
-
-    async def delete(self, version: int, num_buckets: int) -> None:
-        def remove() -> None:
-            shutil.rmtree(self.root / f"v{version}", ignore_errors=True)
-            with contextlib.suppress(OSError):  # not empty (other versions) or gone already
-                self.root.rmdir()
-
-        await asyncio.to_thread(remove)
+register_transport("redis", _from_config)
+register_transport("rediss", _from_config)

@@ -14,7 +14,7 @@
 - **One host.** A source with the same host id (boot id + network namespace) hands over the memfd
   itself through an abstract Unix socket; the child maps it (no copy) and hashes it.
 
-The reader, publisher and generator see only :class:`~async_rl.transport.BucketTransport`; relays pass on
+The reader, publisher and generator see only :class:`~async_rl.weights.transport.BucketTransport`; relays pass on
 whatever buckets a version's manifest lists.
 """
 
@@ -39,8 +39,8 @@ import redis
 from async_rl.checksums import CHECKSUMS, checksum_stream
 from async_rl.lifecycle import redact_url
 from async_rl.names import Names
-from async_rl.peer.config import parse_peer_url
-from async_rl.peer.server import (
+from async_rl.weights.peer.config import parse_peer_url
+from async_rl.weights.peer.server import (
     BUSY,
     MISSING,
     MODE_FD,
@@ -53,9 +53,16 @@ from async_rl.peer.server import (
     recv_exact,
     tune,
 )
-from async_rl.peer.store import Bucket, BucketStore, close_bucket, map_received_fd, new_bucket_memory
-from async_rl.peer.topology import RelayEntry, Source, Topology, host_id
-from async_rl.transport import BucketCorrupt, BucketMissing, BucketTransport, TransportError
+from async_rl.weights.peer.store import Bucket, BucketStore, close_bucket, map_received_fd, new_bucket_memory
+from async_rl.weights.peer.topology import RelayEntry, Source, Topology, host_id
+from async_rl.weights.transport import (
+    BucketCorrupt,
+    BucketMissing,
+    BucketTransport,
+    TransportConfig,
+    TransportError,
+    register_transport,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +72,7 @@ MAX_FAILURES = 32
 RECV_CHUNK_BYTES = 1 << 20
 MAP_THREADS = max(1, min(4, os.cpu_count() or 1))
 """One host: buckets mapped and hashed side by side (the GIL is released while hashing; the page faults of
-unpopulated mappings run in parallel, see :func:`~async_rl.peer.store.map_received_fd`)."""
+unpopulated mappings run in parallel, see :func:`~async_rl.weights.peer.store.map_received_fd`)."""
 _map_threads: ThreadPoolExecutor | None = None
 
 
@@ -506,3 +513,10 @@ def _resolve(fut: asyncio.Future, bucket: Bucket | None, error: BaseException | 
         fut.set_result(bucket)
     else:
         fut.set_exception(error or TransportError("peer pull ended without the bucket"))
+
+
+def _from_config(url: str, cfg: TransportConfig, redis_url: str, names: Names) -> PeerTransport:
+    return PeerTransport(url, redis_url, names, timeout_s=cfg.timeout_s)
+
+
+register_transport("peer", _from_config)

@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 
-from async_rl.peer.store import BucketStore
+from async_rl.weights.peer.store import BucketStore
 
 log = logging.getLogger(__name__)
 

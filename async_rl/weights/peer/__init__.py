@@ -2,5 +2,6 @@
 
 ``store`` (buckets in sealed-size memfd mappings), ``server`` (streams a version's buckets to children),
 ``topology`` (who pulls from whom, decided in Redis), ``transport`` (:class:`PeerTransport`, the
-``peer://`` scheme). Protocol and figures: ``docs/weights.md``, "Data plane and peer relay".
+``peer://`` scheme, registered in :mod:`async_rl.weights.transport`). Protocol and figures:
+``docs/weights.md``, "Data plane and peer relay".
 """
