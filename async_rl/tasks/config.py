@@ -8,7 +8,9 @@ from async_rl.tasks.base import Task, load_reward_fn
 from async_rl.tasks.jsonl import BUILTIN_REWARDS, JsonlTask
 from async_rl.tasks.toy import TOY_TASKS, ToyTask
 
-TASK_NAMES = (*TOY_TASKS, "jsonl")
+ENV_TASKS = ("tool_copy",)
+"""Tasks whose prompts open episodes of several turns (:mod:`async_rl.envs`)."""
+TASK_NAMES = (*TOY_TASKS, "jsonl", *ENV_TASKS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -16,11 +18,12 @@ class TaskConfig:
     """Which prompts to issue and how responses are rewarded."""
 
     name: str = "copy"
-    """copy | reverse | sort | add (built-in toy tasks) or jsonl (prompts from ``jsonl_path``)."""
+    """copy | reverse | sort | add (built-in toy tasks), jsonl (prompts from ``jsonl_path``) or tool_copy (a toy
+    environment of two turns: call a tool, then copy what it returned; see docs/environments.md)."""
     seed: int = 0
     """Seed of the prompt stream (prompt i depends only on seed and i)."""
     min_digits: int = 5
-    """Toy tasks: fewest digits per operand."""
+    """Toy tasks and tool_copy: fewest digits per operand (tool_copy: of the hidden string)."""
     max_digits: int = 5
     """Toy tasks: most digits per operand."""
     strict_length: bool = True
@@ -60,6 +63,12 @@ class TaskConfig:
 
 def build_task(config: TaskConfig) -> Task:
     """The task ``config`` describes (imports a user's reward function; ValueError if it cannot)."""
+    if config.name == "tool_copy":
+        from async_rl.envs.tool_copy import ToolCopyTask
+
+        if config.reward:
+            raise ValueError("task.reward cannot be set for tool_copy: its environment scores the episode")
+        return ToolCopyTask(seed=config.seed, min_digits=config.min_digits, max_digits=config.max_digits)
     reward_fn = load_reward_fn(config.reward) if ":" in config.reward else None
     if config.name == "jsonl":
         tokenizer = None
