@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from async_rl.envs.config import EnvConfig
 
 from async_rl.tasks.base import Task, load_reward_fn
 from async_rl.tasks.jsonl import BUILTIN_REWARDS, JsonlTask
 from async_rl.tasks.toy import TOY_TASKS, ToyTask
 
-ENV_TASKS = ("tool_copy",)
+ENV_TASKS = ("tool_copy", "skyrl_gym", "verifiers")
 """Tasks whose prompts open episodes of several turns (:mod:`async_rl.envs`)."""
 TASK_NAMES = (*TOY_TASKS, "jsonl", *ENV_TASKS)
 
@@ -19,7 +21,8 @@ class TaskConfig:
 
     name: str = "copy"
     """copy | reverse | sort | add (built-in toy tasks), jsonl (prompts from ``jsonl_path``) or tool_copy (a toy
-    environment of two turns: call a tool, then copy what it returned; see docs/environments.md)."""
+    environment of two turns: call a tool, then copy what it returned), skyrl_gym or verifiers (environments of
+    those packages, through their adapters; see docs/environments.md)."""
     seed: int = 0
     """Seed of the prompt stream (prompt i depends only on seed and i)."""
     min_digits: int = 5
@@ -42,7 +45,10 @@ class TaskConfig:
     reward: str = ""
     """'module:function' of a user's reward, or for jsonl a built-in (exact_match, positional); '' = default."""
     max_new_tokens: int = 0
-    """Response budget the generators use (0: the task's own, e.g. digits + 1 for copy; 32 for jsonl)."""
+    """Response budget the generators use (0: the task's own, e.g. digits + 1 for copy; 32 for jsonl; per model
+    turn for environments, 128 for skyrl_gym and verifiers)."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """skyrl_gym / verifiers: which environment, built with which arguments."""
 
     def __post_init__(self) -> None:
         if self.name not in TASK_NAMES:
@@ -51,8 +57,11 @@ class TaskConfig:
             raise ValueError("task.min_digits must be >= 1")
         if self.max_digits < self.min_digits:
             raise ValueError("task.max_digits must be >= task.min_digits")
-        if self.name == "jsonl" and not self.jsonl_path:
-            raise ValueError("task.jsonl_path is required when task.name is 'jsonl'")
+        if self.name in ("jsonl", "skyrl_gym") and not self.jsonl_path:
+            raise ValueError(f"task.jsonl_path is required when task.name is {self.name!r}")
+        if self.name == "verifiers" and not self.env.id:
+            raise ValueError("task.env.id ('module:function' returning the vf.Environment) is required when "
+                             "task.name is 'verifiers'")
         builtin_ok = self.name == "jsonl" and self.reward in BUILTIN_REWARDS
         if self.reward and ":" not in self.reward and not builtin_ok:
             also = f" or one of {list(BUILTIN_REWARDS)}" if self.name == "jsonl" else ""
@@ -69,6 +78,8 @@ def build_task(config: TaskConfig) -> Task:
         if config.reward:
             raise ValueError("task.reward cannot be set for tool_copy: its environment scores the episode")
         return ToolCopyTask(seed=config.seed, min_digits=config.min_digits, max_digits=config.max_digits)
+    if config.name in ("skyrl_gym", "verifiers"):
+        return _adapted_task(config)
     reward_fn = load_reward_fn(config.reward) if ":" in config.reward else None
     if config.name == "jsonl":
         tokenizer = None
@@ -97,3 +108,22 @@ def build_task(config: TaskConfig) -> Task:
         max_new_tokens=config.max_new_tokens or None,
     )
     return task
+
+
+def _adapted_task(config: TaskConfig) -> Task:
+    """An environment of skyrl-gym or verifiers behind its adapter (those packages are imported only here)."""
+    from async_rl.envs.text import make_codec
+
+    if config.reward:
+        raise ValueError(f"task.reward cannot be set for {config.name}: its environment scores the episode")
+    codec = make_codec(config.tokenizer)
+    max_new = config.max_new_tokens or 128
+    if config.name == "skyrl_gym":
+        from async_rl.envs.skyrl_gym import SkyrlGymTask
+
+        return SkyrlGymTask(config.jsonl_path, env_id=config.env.id, env_args=config.env.args, codec=codec,
+                            seed=config.seed, shuffle=config.shuffle, max_new_tokens=max_new)  # fmt: skip
+    from async_rl.envs.verifiers import VerifiersTask
+
+    return VerifiersTask(config.env.id, env_args=config.env.args, codec=codec, seed=config.seed,
+                         shuffle=config.shuffle, max_new_tokens=max_new)  # fmt: skip
