@@ -81,3 +81,37 @@ def test_codecs():
     # A reply renders alone, whatever came before it.
     np.testing.assert_array_equal(codec.reply_ids([{"role": "tool", "content": "42"}]), tt.encode("42>,"))
     assert codec.decode(np.array([*tt.encode("7"), tt.EOS_ID, 9])) == "7"
+
+
+async def test_verifiers_episodes_run_through_the_adapter():
+    pytest.importorskip("verifiers")
+    from async_rl.models import build_model
+
+    task = build_task(TaskConfig(name="verifiers", max_new_tokens=3,
+                                 env=EnvConfig(id=VF_ENV, args={"num_rows": 4})))  # fmt: skip
+    assert task.num_prompts == 4
+    spec = task.prompt(1)
+    np.testing.assert_array_equal(spec.prompt_ids, [tt.BOS_ID, *tt.encode(",")])
+    engine = make_engine(build_model("tiny-moe", seed=0))
+    samples = await run_group(engine, task, spec.metadata, spec.prompt_ids,  # type: ignore[arg-type]
+                              SamplingParams(n=6, max_new_tokens=3), EpisodeConfig())  # fmt: skip
+    answer = spec.metadata["input"]["answer"]
+    for s in samples:
+        info = s.reward_info
+        assert info["episode/end_done"] == 1.0 and info["episode/turns"] == 2.0, info
+        called = info["env/called"] == 1.0
+        np.testing.assert_array_equal(s.response_ids[~s.model_token_mask()], tt.encode((answer if called else "") + "="))
+        assert s.reward == pytest.approx(0.5 * called + 0.5 * info["env/correct"])
+    # An environment that fails mid-rollout ends its episode only, with the reason in the metrics.
+    broken = build_task(TaskConfig(name="verifiers", max_new_tokens=3,
+                                   env=EnvConfig(id=VF_ENV, args={"num_rows": 2, "broken": True})))  # fmt: skip
+    spec = broken.prompt(0)
+    samples = await run_group(engine, broken, spec.metadata, spec.prompt_ids,  # type: ignore[arg-type]
+                              SamplingParams(n=2, max_new_tokens=3), EpisodeConfig())  # fmt: skip
+    for s in samples:
+        assert s.reward_info["episode/end_env_error"] == 1.0 and s.reward_info["episode/turns"] == 1.0
+        assert s.reward == 0.0 and s.finish_reason == "abort" and s.loss_mask is None  # one model turn, no reply
+    await engine.close()
+
+
+VF_ENV = "tests.integration.verifiers_env:load_environment"
