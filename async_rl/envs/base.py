@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from async_rl.tasks.base import Score, Task
+from async_rl.wire import PromptSpec
 
 
 @dataclass(slots=True)
@@ -62,6 +63,34 @@ class EnvTask(Task):
     def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
         raise TypeError(f"task {self.name!r} is an environment: its episodes are scored by their steps "
                         "(the generator runs them with actors/generator/episodes.py)")  # fmt: skip
+
+
+class RowsEnvTask(EnvTask):
+    """An environment task whose prompts are rows read up front (the adapters' JSONL files and datasets): prompt
+    ``i`` is row ``i mod len(rows)``, reshuffled every epoch from ``(seed, epoch)`` when ``shuffle``."""
+
+    rows: list[tuple[np.ndarray, dict[str, Any]]]
+    """(prompt ids, metadata) per row."""
+    seed: int
+    shuffle: bool
+    _max_new_tokens: int
+
+    @property
+    def num_prompts(self) -> int | None:
+        return len(self.rows)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self._max_new_tokens
+
+    def prompt(self, index: int) -> PromptSpec:
+        if index < 0:
+            raise ValueError(f"prompt index must be >= 0, got {index}")
+        epoch, pos = divmod(index, len(self.rows))
+        if self.shuffle:
+            pos = int(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))[pos])
+        ids, meta = self.rows[pos]
+        return PromptSpec(prompt_id=f"{self.name}-{self.seed}-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
 
 
 def as_tokens(ids: Any, what: str) -> np.ndarray:

@@ -31,9 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from async_rl.envs.base import EnvReply, EnvTask, Episode
+from async_rl.envs.base import EnvReply, Episode, RowsEnvTask
 from async_rl.envs.text import Message, TextCodec, as_messages
-from async_rl.wire import PromptSpec
 
 
 def _make_env(env_class: str, env_args: Mapping[str, Any], extras: Mapping[str, Any]) -> Any:
@@ -92,7 +91,7 @@ class SkyrlGymEpisode(Episode):
         await asyncio.to_thread(self.env.close)
 
 
-class SkyrlGymTask(EnvTask):
+class SkyrlGymTask(RowsEnvTask):
     """Prompts from a SkyRL-layout JSONL file, each opening an episode of its ``env_class``."""
 
     name = "skyrl_gym"
@@ -100,9 +99,6 @@ class SkyrlGymTask(EnvTask):
     env_id: str
     env_args: dict[str, Any]
     codec: TextCodec
-    seed: int
-    shuffle: bool
-    rows: list[tuple[np.ndarray, dict[str, Any]]]
 
     def __init__(self, path: str | Path, *, env_id: str, env_args: Mapping[str, Any], codec: TextCodec,
                  seed: int = 0, shuffle: bool = True, max_new_tokens: int = 256) -> None:  # fmt: skip
@@ -138,22 +134,6 @@ class SkyrlGymTask(EnvTask):
                 "extras": row}  # fmt: skip
         return ids, meta
 
-    @property
-    def num_prompts(self) -> int | None:
-        return len(self.rows)
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self._max_new_tokens
-
-    def prompt(self, index: int) -> PromptSpec:
-        if index < 0:
-            raise ValueError(f"prompt index must be >= 0, got {index}")
-        epoch, pos = divmod(index, len(self.rows))
-        if self.shuffle:
-            pos = int(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))[pos])
-        ids, meta = self.rows[pos]
-        return PromptSpec(prompt_id=f"{self.name}-{self.seed}-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
 
     def episode(self, metadata: Mapping[str, Any]) -> Episode:
         env = _make_env(str(metadata["env_class"]), self.env_args, metadata.get("extras") or {})

@@ -94,8 +94,8 @@ class ChatTemplateCodec(TextCodec):
         self._base_len = len(self._render(BASE_CONVERSATION, generation_prompt=False))
 
     def _render(self, messages: Sequence[Message], *, generation_prompt: bool) -> list[int]:
-        out = self.tokenizer.apply_chat_template(list(messages), tokenize=True,
-                                                 add_generation_prompt=generation_prompt)  # fmt: skip
+        out: Any = self.tokenizer.apply_chat_template(list(messages), tokenize=True,
+                                                      add_generation_prompt=generation_prompt)  # fmt: skip
         return [int(i) for i in (out if isinstance(out, list) else out["input_ids"])]  # a list or a BatchEncoding
 
     def prompt_ids(self, messages: Sequence[Message]) -> np.ndarray:

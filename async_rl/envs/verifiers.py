@@ -31,11 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from async_rl.envs.base import EnvReply, EnvTask, Episode
+from async_rl.envs.base import EnvReply, Episode, RowsEnvTask
 from async_rl.envs.skyrl_gym import numeric_info
 from async_rl.envs.text import Message, TextCodec, as_messages
 from async_rl.tasks.base import load_reward_fn
-from async_rl.wire import PromptSpec
 
 _ROW_FIELDS = ("prompt", "answer", "info", "task", "example_id")
 """The fields of a verifiers dataset row that make a rollout's input."""
@@ -184,20 +183,17 @@ class VerifiersEpisode(Episode):
                 await self._rollout
 
 
-class VerifiersTask(EnvTask):
+class VerifiersTask(RowsEnvTask):
     """The dataset of a verifiers environment as prompts, each opening a rollout of that environment."""
 
     name = "verifiers"
     env: Any
     codec: TextCodec
-    seed: int
-    shuffle: bool
-    rows: list[tuple[np.ndarray, dict[str, Any]]]
 
     def __init__(self, env_id: str, *, env_args: Mapping[str, Any], codec: TextCodec, seed: int = 0,
                  shuffle: bool = True, max_new_tokens: int = 128) -> None:  # fmt: skip
         _import_verifiers()
-        load = load_reward_fn(env_id)  # the same 'module:function' import, errors named
+        load: Any = load_reward_fn(env_id)  # the same 'module:function' import, errors named
         self.env = load(**dict(env_args))
         self.codec, self.seed, self.shuffle, self._max_new_tokens = codec, seed, shuffle, max_new_tokens
         dataset = self.env.get_dataset()
@@ -213,22 +209,6 @@ class VerifiersTask(EnvTask):
         if not self.rows:
             raise ValueError(f"task.env.id {env_id!r}: the environment's dataset is empty")
 
-    @property
-    def num_prompts(self) -> int | None:
-        return len(self.rows)
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self._max_new_tokens
-
-    def prompt(self, index: int) -> PromptSpec:
-        if index < 0:
-            raise ValueError(f"prompt index must be >= 0, got {index}")
-        epoch, pos = divmod(index, len(self.rows))
-        if self.shuffle:
-            pos = int(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))[pos])
-        ids, meta = self.rows[pos]
-        return PromptSpec(prompt_id=f"{self.name}-{self.seed}-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
 
     def episode(self, metadata: Mapping[str, Any]) -> Episode:
         return VerifiersEpisode(self.env, self.codec, dict(metadata["input"]))
