@@ -66,6 +66,7 @@ def _assert_same(a: GroupRecord, b: GroupRecord) -> None:
         else:
             assert y.routes is not None and x.routes.dtype == y.routes.dtype
             np.testing.assert_array_equal(x.routes, y.routes)
+        np.testing.assert_array_equal(x.model_token_mask(), y.model_token_mask())
 
 
 def test_roundtrip_every_field_and_zero_copy():
@@ -301,8 +302,12 @@ def _records(draw) -> GroupRecord:
             routes = _array(draw, t * layers * top_k, route_dtype).reshape(t, layers, top_k)
             if route_dtype == "<i2":
                 routes &= 0x7FFF  # expert ids are >= 0
+        mask = None
+        if draw(st.booleans()) and n:  # an episode's loss mask (all ones travels as none: the same sample)
+            mask = np.array(draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)), dtype=np.uint8)
         samples.append(
             Sample(
+                loss_mask=mask,
                 response_ids=_array(draw, n, "<i4"),
                 logprobs=lp,
                 versions=ver,
