@@ -91,8 +91,9 @@ class GroupRecord:
 
     @property
     def min_version(self) -> int:
-        """Oldest weight version of any token in the group (staleness is measured on it)."""
-        return min(int(s.versions.min()) if s.versions.size else 0 for s in self.samples) if self.samples else 0
+        """Oldest weight version of any token in the group (staleness is measured on it); an empty response (an
+        episode that could not open) has no token and no say; a group of empty responses counts as version 0."""
+        return min((int(s.versions.min()) for s in self.samples if s.versions.size), default=0)
 
     @property
     def num_tokens(self) -> int:

@@ -407,3 +407,9 @@ def test_version_1_records_still_decode_and_cannot_carry_a_mask():
     raw["samples"][0]["mask"] = ["|u1", [6], bytes(6)]
     with pytest.raises(WireError, match=r"samples\[0\]\.loss_mask: schema version 1 has no loss mask"):
         decode_group(msgspec.msgpack.encode(raw))
+
+
+def test_min_version_ignores_empty_responses():
+    empty = _sample(n=0, routes=False, versions=np.zeros(0, np.int32))
+    assert _record([_sample(routes=False, versions=np.full(6, 5, np.int32)), empty]).min_version == 5
+    assert _record([empty]).min_version == 0
