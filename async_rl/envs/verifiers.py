@@ -23,7 +23,6 @@ conversation must be what the learner rendered: a rollout that asks for another 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -143,10 +142,13 @@ class VerifiersEpisode(Episode):
         """The rollout's next request for a model turn, or None once it has ended (its error raised)."""
         assert self._rollout is not None
         ask = asyncio.ensure_future(self._turns.asks.get())
-        done, _ = await asyncio.wait({ask, self._rollout}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({ask, self._rollout}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not ask.done():
+                ask.cancel()
         if ask in done:
             return ask.result()
-        ask.cancel()
         self._rollout.result()  # the environment's own exception ends the episode
         return None
 
@@ -179,8 +181,7 @@ class VerifiersEpisode(Episode):
     async def close(self) -> None:
         if self._rollout is not None and not self._rollout.done():
             self._rollout.cancel()
-            with contextlib.suppress(BaseException):  # its outcome no longer matters; CancelledError included
-                await self._rollout
+            await asyncio.wait({self._rollout})  # its outcome no longer matters (wait does not raise it)
 
 
 class VerifiersTask(RowsEnvTask):
