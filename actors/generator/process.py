@@ -1,7 +1,8 @@
 """The generator process loop: prompts in, scored groups out, weights followed in the background.
 
 Tasks (named, in one TaskGroup): ``work`` (read prompts through the consumer group, generate,
-score, push one group record, ack the prompt only after the push), ``heartbeat`` (NATS),
+score, push one group record, ack the prompt only after the push; an environment task runs one episode of
+several turns per sample instead, :mod:`actors.generator.episodes`), ``heartbeat`` (NATS),
 and the weight sync's own fetch/poll tasks. Control messages (pause/resume/drain/stop) and
 SIGTERM/SIGINT set events; shutdown has two phases: stop taking prompts and finish the batch
 in hand within ``drain_timeout_s``, then release whatever is still held so other generators
