@@ -96,7 +96,7 @@ def backend():  # type: ignore[no-untyped-def]
 
 
 BASE = encode_group(valid_record("p0", np.array([3, 4, 5, 6], dtype=np.int32), FACTS, version=1, num_samples=2,
-                                 seed=1))  # fmt: skip
+                                 seed=1, episode=True))  # fmt: skip  (loss masks are mutated too)
 
 
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
