@@ -14,6 +14,16 @@ Token alignment conventions (shared by the engines, the learner and the backends
   engine actually ran through the model have routes, so ``routes.shape[0] <= len(prompt) +
   len(response)`` (typically one fewer: the last sampled token is never run). Positions past
   ``routes.shape[0]`` are not replayed (masked), never guessed.
+* ``loss_mask[j]`` (episodes of several turns) is 1 where ``response_ids[j]`` was sampled by the
+  model and 0 where the environment wrote it (a tool's output, a user's reply): environment tokens
+  are in the sequence (the model reads them) but never in the loss. Their ``logprobs`` are 0 and
+  meaningless; their ``versions`` are the weight version that ran their prefill. ``None`` means
+  every response token is the model's (a single-turn sample).
+
+Schema versions: 1 is the single-turn record; 2 adds the optional per-sample loss mask. Writers
+always write :data:`SCHEMA_VERSION`; readers accept every version in :data:`READ_SCHEMA_VERSIONS`
+(a version-1 record decodes with ``loss_mask=None``), and an older reader refuses a version-2
+record by its version number, never by misreading it.
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READ_SCHEMA_VERSIONS = (1, 2)
+"""Group-record schema versions this code decodes (see the module docstring)."""
 
 FINISH_REASONS = ("stop", "length", "abort")
 """``stop``: an end/stop token was sampled; ``length``: max_new_tokens reached; ``abort``: cut short."""
@@ -47,6 +59,14 @@ class Sample:
     """uint8 / int16 ``[T_run, moe_layers, top_k]`` routed experts, or None for dense models."""
     reward_info: dict[str, float] = field(default_factory=dict)
     """Named reward components / task metrics (e.g. ``{"correct": 1.0}``), for logging."""
+    loss_mask: np.ndarray | None = None
+    """uint8 ``[R]``: 1 on the model's tokens, 0 on the environment's (never trained on); None: all the model's."""
+
+    def model_token_mask(self) -> np.ndarray:
+        """bool ``[R]``: True on the tokens the model sampled (every token when ``loss_mask`` is None)."""
+        if self.loss_mask is None:
+            return np.ones(self.response_ids.shape[0], dtype=bool)
+        return np.asarray(self.loss_mask, dtype=bool)
 
 
 @dataclass(slots=True)
@@ -71,8 +91,9 @@ class GroupRecord:
 
     @property
     def min_version(self) -> int:
-        """Oldest weight version of any token in the group (staleness is measured on it)."""
-        return min(int(s.versions.min()) if s.versions.size else 0 for s in self.samples) if self.samples else 0
+        """Oldest weight version of any token in the group (staleness is measured on it); an empty response (an
+        episode that could not open) has no token and no say; a group of empty responses counts as version 0."""
+        return min((int(s.versions.min()) for s in self.samples if s.versions.size), default=0)
 
     @property
     def num_tokens(self) -> int:

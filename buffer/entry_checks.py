@@ -9,7 +9,10 @@ but would crash the backend or train on garbage, each with a :class:`EntryError`
 * MoE routes of a dense model, with the wrong number of MoE layers or the wrong ``top_k``, an expert
   id ``>= num_experts``, or the same expert twice in one token's row (replay would pick it twice);
 * token weight versions newer than the learner has published (``max_version``), or a group with a
-  different number of samples than the run samples per prompt.
+  different number of samples than the run samples per prompt;
+* a loss mask (episodes of several turns) that leaves none of a non-empty response's tokens to the
+  model: nothing of it could be trained on, so a generator wrote it wrong. (Its length and values
+  are the codec's to check.)
 
 Whether the prompt id was issued and is still in flight is the run's other fact; the reader asks
 :mod:`buffer.audit` (one round trip per read). Nothing here imports torch: facts come from a
@@ -98,6 +101,9 @@ class EntryChecker:
             if self.max_version is not None and n and int(s.versions.max()) > self.max_version:
                 raise EntryError(f"{path}.versions: version {int(s.versions.max())} is newer than the newest "
                                  f"published version {self.max_version}")  # fmt: skip
+            if s.loss_mask is not None and n and not s.loss_mask.any():
+                raise EntryError(f"{path}.loss_mask: none of the {n} response tokens is the model's "
+                                 "(an episode's response starts with a model turn)")  # fmt: skip
             if s.routes is not None:
                 self._check_routes(s.routes, f"{path}.routes")
 

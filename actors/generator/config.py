@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from actors.generator.episodes import EpisodeConfig
 from async_rl.control import ControlPlaneConfig
 from async_rl.model_config import ModelConfig
 from async_rl.prom import PrometheusConfig
@@ -170,6 +171,8 @@ class GeneratorConfig:
     """How responses are scored (must match the learner's task)."""
     sampling: Sampling = field(default_factory=Sampling)
     """Sampling of prompts that carry none (the learner's prompts always carry its own)."""
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    """Limits of episodes of several turns (environment tasks such as tool_copy; docs/environments.md)."""
     prompts: PromptQueueConfig = field(default_factory=PromptQueueConfig)
     """Prompt stream settings (reclaim timeout, poison-prompt limit)."""
     rollouts: RolloutWriterConfig = field(default_factory=RolloutWriterConfig)

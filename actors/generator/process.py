@@ -1,7 +1,8 @@
 """The generator process loop: prompts in, scored groups out, weights followed in the background.
 
 Tasks (named, in one TaskGroup): ``work`` (read prompts through the consumer group, generate,
-score, push one group record, ack the prompt only after the push), ``heartbeat`` (NATS),
+score, push one group record, ack the prompt only after the push; an environment task runs one episode of
+several turns per sample instead, :mod:`actors.generator.episodes`), ``heartbeat`` (NATS),
 and the weight sync's own fetch/poll tasks. Control messages (pause/resume/drain/stop) and
 SIGTERM/SIGINT set events; shutdown has two phases: stop taking prompts and finish the batch
 in hand within ``drain_timeout_s``, then release whatever is still held so other generators
@@ -25,10 +26,12 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from actors.generator.config import GeneratorConfig
-from actors.generator.engine import Completion, Engine, SamplingParams
+from actors.generator.engine import Engine, SamplingParams
+from actors.generator.episodes import run_group
 from actors.generator.metrics import GeneratorMetrics
 from actors.generator.weight_sync import WeightSync
 from async_rl.control import Control, ControlPlane, Heartbeat, Message, RunEnded
+from async_rl.envs.base import EnvTask
 from async_rl.lifecycle import named_task, raise_if_cancel_requested, redact_url
 from async_rl.reach import redis_client
 from async_rl.run_end import read_run_end
@@ -322,14 +325,15 @@ class Generator:
             abort.cancel()
             results = gen.result()
             gen_s = time.time() - t0
-            for entry, completions in zip(group, results, strict=True):
-                record = self._record(entry, completions, gen_s)
+            for entry, samples in zip(group, results, strict=True):
+                record = self._record(entry, samples, gen_s)
                 await writer.append(record)
                 await asyncio.shield(prompts.ack([entry]))
                 self._held = [h for h in self._held if h.entry_id != entry.entry_id]
                 self.num_prompts += 1
-                self.num_tokens += sum(int(c.token_ids.size) for c in completions)
-                self._metrics.generated(1, sum(int(c.token_ids.size) for c in completions))
+                num_tokens = sum(int(s.response_ids.size) for s in samples)
+                self.num_tokens += num_tokens
+                self._metrics.generated(1, num_tokens)
 
     def _sampling(self, entry: PromptEntry) -> Sampling:
         """Sampling of a prompt: the learner's (carried in the prompt record), else this generator's own."""
@@ -337,10 +341,11 @@ class Generator:
         sp = entry.spec.sampling or self.cfg.sampling
         return sp if sp.max_new_tokens else dataclasses.replace(sp, max_new_tokens=self._task.max_new_tokens)
 
-    async def _generate(self, group: list[PromptEntry], params: SamplingParams) -> list[list[Completion]]:
-        """The group's completions; first, in synchronous mode, the weight version its prompts ask for (the weight
-        sync task fetches it; an abort cancels the wait with the generation)."""
-        assert self._engine is not None
+    async def _generate(self, group: list[PromptEntry], params: SamplingParams) -> list[list[Sample]]:
+        """The group's scored samples; first, in synchronous mode, the weight version its prompts ask for (the
+        weight sync task fetches it; an abort cancels the wait with the generation). An environment task runs one
+        episode per sample (:mod:`actors.generator.episodes`), all of them at once."""
+        assert self._engine is not None and self._task is not None
         need = max(e.spec.min_version for e in group)
         if self._engine.version < need:
             t0 = time.monotonic()
@@ -349,21 +354,28 @@ class Generator:
             finally:
                 self.version_wait_s += time.monotonic() - t0
         t0 = time.monotonic()
+        task, engine = self._task, self._engine
         try:
-            return await self._engine.generate([e.spec.prompt_ids for e in group], params)
+            if isinstance(task, EnvTask):
+                return list(await asyncio.gather(*(run_group(engine, task, e.spec.metadata, e.spec.prompt_ids, params,
+                                                             self.cfg.episode) for e in group)))  # fmt: skip
+            results = await engine.generate([e.spec.prompt_ids for e in group], params)
         finally:
             self.generate_s += time.monotonic() - t0
+        out = []
+        for entry, completions in zip(group, results, strict=True):
+            samples = []
+            for c in completions:
+                score = task.score(entry.spec.metadata, c.token_ids)
+                samples.append(Sample(
+                    response_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions, reward=float(score.reward),
+                    finish_reason=c.finish_reason, routes=c.routes, reward_info=dict(score.info),
+                ))  # fmt: skip
+            out.append(samples)
+        return out
 
-    def _record(self, entry: PromptEntry, completions: list[Completion], gen_s: float) -> GroupRecord:
-        assert self._task is not None
+    def _record(self, entry: PromptEntry, samples: list[Sample], gen_s: float) -> GroupRecord:
         spec = entry.spec
-        samples = []
-        for c in completions:
-            score = self._task.score(spec.metadata, c.token_ids)
-            samples.append(Sample(
-                response_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions, reward=float(score.reward),
-                finish_reason=c.finish_reason, routes=c.routes, reward_info=dict(score.info),
-            ))  # fmt: skip
         meta: dict[str, Any] = {
             "task": spec.metadata.get("task", ""), "issued_version": entry.issued_version,
             "issued_at": entry.issued_at, "gen_s": round(gen_s, 4), "reclaimed": entry.reclaimed,

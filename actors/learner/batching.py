@@ -29,9 +29,9 @@ def validate_sample(s: TrainSample, where: str = "sample") -> None:
     if not 1 <= s.prompt_len < t:
         raise ValueError(f"{where} ({s.group_id}): prompt_len must be in [1, {t}), got {s.prompt_len}")
     r = t - s.prompt_len
-    for field_name in ("behaviour_logprobs", "versions", "advantages"):
+    for field_name in ("behaviour_logprobs", "versions", "advantages", "loss_mask"):
         arr = getattr(s, field_name)
-        if arr.shape != (r,):
+        if arr is not None and arr.shape != (r,):
             raise ValueError(f"{where} ({s.group_id}): {field_name} must have shape ({r},), got {arr.shape}")
     if s.routes is not None:
         if s.routes.ndim != 3:
@@ -65,10 +65,12 @@ def collate(
         p = s.prompt_len
         input_ids[i, :t] = s.input_ids
         attention[i, :t] = True
-        loss_mask[i, p:t] = True
-        behaviour[i, p:t] = s.behaviour_logprobs
-        advantages[i, p:t] = s.advantages
-        versions[i, p:t] = s.versions
+        keep = True if s.loss_mask is None else np.asarray(s.loss_mask, dtype=bool)
+        loss_mask[i, p:t] = keep
+        # Zero outside the loss mask, as on padding: an environment token's logprob or advantage means nothing.
+        behaviour[i, p:t] = np.where(keep, s.behaviour_logprobs, 0.0)
+        advantages[i, p:t] = np.where(keep, s.advantages, 0.0)
+        versions[i, p:t] = np.where(keep, s.versions, 0)
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention),
         loss_mask=torch.from_numpy(loss_mask), behaviour_logprobs=torch.from_numpy(behaviour),
@@ -79,8 +81,8 @@ def collate(
 
 
 def response_tokens(samples: Sequence[TrainSample]) -> int:
-    """Response tokens (the trained-on ones) of ``samples``."""
-    return sum(int(s.input_ids.shape[0]) - s.prompt_len for s in samples)
+    """Response tokens the loss sees (an episode's environment tokens excluded) of ``samples``."""
+    return sum(s.num_loss_tokens for s in samples)
 
 
 def make_micro_batches(

@@ -392,7 +392,8 @@ class Learner:
             **{f"buffer/{k}": v for k, v in counters.items()},
             **self._signals.fleet_metrics(),
         }  # fmt: skip
-        for key in groups[0].samples[0].reward_info:  # every group has samples (the wire format checks it)
+        # Every component any sample reports (a sample without one counts 0: e.g. an episode that never opened).
+        for key in dict.fromkeys(k for g in groups for s in g.samples for k in s.reward_info):
             metrics[f"reward/{key}"] = float(np.mean([s.reward_info.get(key, 0.0) for g in groups for s in g.samples]))
         if cfg.target_reward:  # the early-stopping window, kept in the checkpoint like the reward history
             self.state.extra["target_history"] = [*self.state.extra.get("target_history", [])[-cfg.target_window:],

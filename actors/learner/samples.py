@@ -1,5 +1,7 @@
 """A batch of rollout groups -> training samples: advantages per group, one sample per non-empty response.
 
+An episode's environment tokens stay in the sequence and leave the loss through the sample's loss mask.
+
 Shared by the learner loop and what drives the same training outside it (the staleness simulation, ``bench
 publish``), so that they train on exactly what the learner would.
 """
@@ -34,6 +36,7 @@ def build_samples(
                 prompt_len=int(prompt.size), behaviour_logprobs=np.asarray(s.logprobs, dtype=np.float32),
                 versions=np.asarray(s.versions, dtype=np.int32), advantages=broadcast_to_tokens(float(a), r),
                 routes=s.routes if cfg.replay_routes else None, group_id=g.group_id,
+                loss_mask=None if s.loss_mask is None else np.asarray(s.loss_mask, dtype=bool),
             ))  # fmt: skip
     metrics["empty_responses_count"] = float(num_empty)
     return samples, metrics, [float(x) for r in rewards for x in r]

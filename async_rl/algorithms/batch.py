@@ -34,6 +34,15 @@ class TrainSample:
     """uint8/int16 ``[T_run, moe_layers, top_k]`` recorded routes for positions ``< T_run``, or None."""
     group_id: str = ""
     """Group this sample came from."""
+    loss_mask: np.ndarray | None = None
+    """bool ``[T - prompt_len]``: the response tokens trained on (the model's; False on an environment's reply in
+    an episode of several turns). None: every response token."""
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Response tokens the loss sees."""
+        r = int(self.input_ids.shape[0]) - self.prompt_len
+        return r if self.loss_mask is None else int(np.count_nonzero(self.loss_mask))
 
 
 @dataclass(slots=True)
@@ -41,7 +50,8 @@ class MicroBatch:
     """A right-padded batch of sequences; every ``[B, T]`` tensor lives on the CPU until a backend moves it.
 
     Position ``t`` of ``logprobs``-like tensors holds the value for token ``input_ids[b, t]``
-    (predicted from ``input_ids[b, :t]``); ``loss_mask`` is True exactly on response tokens.
+    (predicted from ``input_ids[b, :t]``); ``loss_mask`` is True exactly on the response tokens the model
+    sampled (an environment's tokens inside an episode are attended to, never trained on).
     """
 
     input_ids: torch.Tensor
@@ -49,7 +59,7 @@ class MicroBatch:
     attention_mask: torch.Tensor
     """bool ``[B, T]``: True on real tokens."""
     loss_mask: torch.Tensor
-    """bool ``[B, T]``: True on response tokens (the ones trained on)."""
+    """bool ``[B, T]``: True on the model's response tokens (the ones trained on)."""
     behaviour_logprobs: torch.Tensor
     """float32 ``[B, T]`` (0 outside loss_mask)."""
     advantages: torch.Tensor
@@ -59,7 +69,7 @@ class MicroBatch:
     routes: list[np.ndarray | None]
     """Ragged recorded routes per sequence (see :attr:`TrainSample.routes`); backends cut them per rank."""
     step_num_tokens: int
-    """Response tokens in the whole step batch (all micro-batches, all DP ranks)."""
+    """Loss-mask tokens in the whole step batch (all micro-batches, all DP ranks)."""
     step_num_sequences: int
     """Sequences in the whole step batch (all micro-batches, all DP ranks)."""
     proximal_logprobs: torch.Tensor | None = None

@@ -25,8 +25,9 @@ from buffer.entry_checks import ModelFacts
 
 
 def valid_record(pid: str, prompt_ids: np.ndarray, facts: ModelFacts, *, version: int, num_samples: int,
-                 seed: int, response_tokens: int = 6) -> GroupRecord:  # fmt: skip
-    """A correct group for prompt ``pid``: ids in the vocabulary, distinct experts per row, one version."""
+                 seed: int, response_tokens: int = 6, episode: bool = False) -> GroupRecord:  # fmt: skip
+    """A correct group for prompt ``pid``: ids in the vocabulary, distinct experts per row, one version; ``episode``:
+    each response is model, environment, model tokens (a third each, the environment's out of the loss mask)."""
     rng = np.random.default_rng(seed)
     prompt = np.asarray(prompt_ids, dtype=np.int32)
     samples = []
@@ -41,6 +42,7 @@ def valid_record(pid: str, prompt_ids: np.ndarray, facts: ModelFacts, *, version
             response_ids=rng.integers(0, facts.vocab_size, n, dtype=np.int32),
             logprobs=-rng.exponential(1.0, n).astype(np.float32), versions=np.full(n, version, dtype=np.int32),
             reward=float(i % 2), finish_reason="length", routes=routes, reward_info={"correct": float(i % 2)},
+            loss_mask=(np.arange(n) * 3 // n != 1).astype(np.uint8) if episode and n >= 3 else None,
         ))  # fmt: skip
     return GroupRecord(group_id=pid, prompt_id=pid, generator_id="poison-test", created_at=time.time(),
                        prompt_ids=prompt, samples=samples, metadata={"task": "copy"})  # fmt: skip

@@ -66,6 +66,18 @@ def test_valid_record_passes_and_each_fact_is_enforced():
         ModelFacts(vocab_size=10, max_seq_len=8, num_moe_layers=2, top_k=3, num_experts=2)
 
 
+def test_loss_mask_must_leave_the_model_a_token():
+    """An episode's mask (environment tokens 0) passes; one that leaves no model token in a response is refused."""
+    checker = EntryChecker(FACTS, num_samples=3, max_version=2)
+    rec = _rec()
+    n = rec.samples[0].response_ids.size
+    rec.samples[0].loss_mask = np.array([1] * 2 + [0] * (n - 2), dtype=np.uint8)
+    checker.check(decode_group(encode_group(rec)))
+    rec.samples[1].loss_mask = np.zeros(rec.samples[1].response_ids.size, dtype=np.uint8)
+    with pytest.raises(EntryError, match=r"samples\[1\]\.loss_mask: none of the \d+ response tokens is the model's"):
+        checker.check(decode_group(encode_group(rec)))
+
+
 def test_facts_from_the_preset_configs():
     from async_rl.models import load_model_config
 
@@ -84,7 +96,7 @@ def backend():  # type: ignore[no-untyped-def]
 
 
 BASE = encode_group(valid_record("p0", np.array([3, 4, 5, 6], dtype=np.int32), FACTS, version=1, num_samples=2,
-                                 seed=1))  # fmt: skip
+                                 seed=1, episode=True))  # fmt: skip  (loss masks are mutated too)
 
 
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

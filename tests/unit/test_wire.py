@@ -66,6 +66,7 @@ def _assert_same(a: GroupRecord, b: GroupRecord) -> None:
         else:
             assert y.routes is not None and x.routes.dtype == y.routes.dtype
             np.testing.assert_array_equal(x.routes, y.routes)
+        np.testing.assert_array_equal(x.model_token_mask(), y.model_token_mask())
 
 
 def test_roundtrip_every_field_and_zero_copy():
@@ -192,7 +193,7 @@ def _tamper(path: list, value) -> bytes:
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        (["v"], 2, "unknown schema version 2"),
+        (["v"], 3, "unknown schema version 3 \\(this code reads 1 and 2\\)"),
         (["samples", 0, "lp", 0], "<f8", r"samples\[0\]\.logprobs must be float32, got dtype '<f8'"),
         (["samples", 0, "ids", 1], [7], r"samples\[0\]\.response_ids: shape \(7,\) of int32 needs 28 bytes, got 24"),
         (["samples", 1, "routes", 0], "<i4", r"samples\[1\]\.routes must be uint8 or int16"),
@@ -301,8 +302,12 @@ def _records(draw) -> GroupRecord:
             routes = _array(draw, t * layers * top_k, route_dtype).reshape(t, layers, top_k)
             if route_dtype == "<i2":
                 routes &= 0x7FFF  # expert ids are >= 0
+        mask = None
+        if draw(st.booleans()) and n:  # an episode's loss mask (all ones travels as none: the same sample)
+            mask = np.array(draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)), dtype=np.uint8)
         samples.append(
             Sample(
+                loss_mask=mask,
                 response_ids=_array(draw, n, "<i4"),
                 logprobs=lp,
                 versions=ver,
@@ -357,3 +362,54 @@ def test_property_single_byte_corruption_is_caught_or_harmless(rec, data):
         return
     # Corruption inside a payload (token ids, logprobs, strings) may decode; it must still be valid.
     encode_group(out)
+
+
+# ---- loss masks (schema version 2) ---------------------------------------------------------
+def test_loss_mask_round_trips_and_all_ones_travels_as_none():
+    mask = np.array([1, 1, 0, 0, 1, 1], dtype=np.uint8)
+    rec = _record([_sample(loss_mask=mask), _sample(loss_mask=np.ones(6, dtype=bool)), _sample()])
+    out = decode_group(encode_group(rec))
+    assert out.schema_version == SCHEMA_VERSION == 2
+    np.testing.assert_array_equal(out.samples[0].loss_mask, mask)
+    assert out.samples[0].loss_mask.dtype == np.uint8
+    assert out.samples[1].loss_mask is None and out.samples[2].loss_mask is None  # all the model's: left out
+    np.testing.assert_array_equal(out.samples[0].model_token_mask(), mask.astype(bool))
+    assert out.samples[2].model_token_mask().all()
+
+
+@pytest.mark.parametrize(
+    ("mask", "message"),
+    [
+        (np.ones(5, np.uint8), r"samples\[0\]\.loss_mask has 5 entries but response_ids has 6"),
+        (np.array([1, 2, 0, 0, 1, 1], np.uint8), r"samples\[0\]\.loss_mask\[1\] must be 0 or 1, got 2"),
+        (np.ones(6, np.int32), r"samples\[0\]\.loss_mask must be uint8"),
+        (np.ones((6, 1), np.uint8), r"samples\[0\]\.loss_mask must have 1 dimension"),
+    ],
+)
+def test_bad_loss_mask_is_refused_on_encode_and_decode(mask, message):
+    with pytest.raises(WireError, match=message):
+        encode_group(_record([_sample(loss_mask=mask)]))
+    if mask.ndim == 1 and mask.dtype == np.uint8:  # the same bytes arriving from a foreign writer
+        raw = msgspec.msgpack.decode(encode_group(_record([_sample(loss_mask=np.zeros(6, np.uint8))])))
+        raw["samples"][0]["mask"] = ["|u1", [mask.size], mask.tobytes()]
+        with pytest.raises(WireError, match=message):
+            decode_group(msgspec.msgpack.encode(raw))
+
+
+def test_version_1_records_still_decode_and_cannot_carry_a_mask():
+    """A record written before loss masks existed (schema 1) reads as all-model tokens; one that claims version 1
+    yet carries a mask is refused by name, and a version a reader does not know is refused by its number."""
+    raw = msgspec.msgpack.decode(encode_group(_record()))
+    raw["v"] = 1
+    out = decode_group(msgspec.msgpack.encode(raw))
+    assert out.schema_version == 1 and all(s.loss_mask is None for s in out.samples)
+    assert decode_group(encode_group(out)).schema_version == SCHEMA_VERSION  # rewritten at the current version
+    raw["samples"][0]["mask"] = ["|u1", [6], bytes(6)]
+    with pytest.raises(WireError, match=r"samples\[0\]\.loss_mask: schema version 1 has no loss mask"):
+        decode_group(msgspec.msgpack.encode(raw))
+
+
+def test_min_version_ignores_empty_responses():
+    empty = _sample(n=0, routes=False, versions=np.zeros(0, np.int32))
+    assert _record([_sample(routes=False, versions=np.full(6, 5, np.int32)), empty]).min_version == 5
+    assert _record([empty]).min_version == 0
