@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
+from async_rl.weights.config import PublisherConfig
+from async_rl.weights.gpu_publisher import local_slots
+from async_rl.weights.gpu_slots import GpuExport
 
 REQUIRED_STEP_METRICS = ("loss", "grad_norm", "lr", "step_skipped", "num_micro_batches", "train_tokens_per_s")
 """Keys every backend's :meth:`TrainingBackend.train_step` reports in ``StepResult.metrics`` (besides the loss
@@ -87,6 +90,13 @@ class TrainingBackend(abc.ABC):
         at once (:mod:`async_rl.weights.snapshot`: pinned buffers, a side stream); valid until the next
         :meth:`train_step`. Default: :meth:`export_weights`."""
         return self.export_weights()
+
+    def gpu_export(self, cfg: PublisherConfig) -> GpuExport | None:
+        """Where the GPU weight path keeps this learner's versions (:mod:`async_rl.weights.gpu_publisher`): GPU slots
+        filled from :meth:`snapshot_source` when that is on a CUDA GPU; None otherwise. A multi-rank backend returns
+        its ranks' own slots (each rank its own pieces)."""
+        device = self.publish_device
+        return local_slots(device, cfg) if device.startswith("cuda") else None
 
     @property
     def publish_device(self) -> str:

@@ -169,19 +169,19 @@ class Learner:
         stack.push_async_callback(host.aclose)  # before the transport closes: the version going out ends
         self._weights = host
         gpu_latest = None
-        device = self.backend.publish_device
-        if cfg.publisher.gpu == "on" and not device.startswith("cuda"):
+        export = self.backend.gpu_export(cfg.publisher) if cfg.publisher.gpu != "off" else None
+        if cfg.publisher.gpu == "on" and export is None:
             raise ValueError(f"publisher.gpu=on needs the learner's weights on a CUDA GPU; this {cfg.backend} backend "
-                             f"publishes from {device}")  # fmt: skip
-        if cfg.publisher.gpu != "off" and device.startswith("cuda"):
-            gpu = GpuPublisher(self._redis, names, cfg.publisher, device, control=self._control,
+                             f"publishes from {self.backend.publish_device}")  # fmt: skip
+        if export is not None:
+            gpu = GpuPublisher(self._redis, names, cfg.publisher, export, control=self._control,
                                host=host if cfg.publisher.gpu_host_copies else None, on_commit=self._on_published)  # fmt: skip
             gpu_latest = await gpu.latest_version()
             await gpu.clean()  # the buffers of a previous learner's versions died with it
             stack.push_async_callback(gpu.aclose)
             self._weights = gpu
             log.info("weights: versions kept in %d GPU slots on %s for same-host generators (CUDA IPC)%s",
-                     cfg.publisher.gpu_slots, device,
+                     cfg.publisher.gpu_slots, self.backend.publish_device,
                      ", and published through the host transport" if cfg.publisher.gpu_host_copies else "")  # fmt: skip
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
         self._checker = EntryChecker(await asyncio.to_thread(_model_facts, cfg), num_samples=cfg.sampling.n)

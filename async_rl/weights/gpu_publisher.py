@@ -31,7 +31,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import torch
@@ -41,7 +40,7 @@ from async_rl.names import Names
 from async_rl.weights.background import BackgroundPublisher, PublishRecord, Source
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.cuda_ipc import fast_thread_handoffs, host_key
-from async_rl.weights.gpu_slots import GpuFill, GpuSlots
+from async_rl.weights.gpu_slots import GpuExport, GpuFill, GpuSlots
 from async_rl.weights.manifest import DTYPES, GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
 from async_rl.weights.publisher import PublishStats
 from async_rl.weights.signing import run_secret
@@ -68,10 +67,10 @@ return 1
 """
 
 
-@dataclass(slots=True)
-class _Committed:
-    version: int
-    slot: int
+def local_slots(device: torch.device | str, cfg: PublisherConfig, rank: int = 0) -> GpuSlots:
+    """GPU slots of this process as ``cfg`` sets them (``publisher.gpu_slots``, ``gpu_bucket_bytes``, ``gpu_dtype``)."""
+    dtype = DTYPES[cfg.gpu_dtype] if cfg.gpu_dtype else None
+    return GpuSlots(device, num_slots=cfg.gpu_slots, bucket_bytes=cfg.gpu_bucket_bytes, dtype=dtype, rank=rank)
 
 
 class GpuPublisher:
@@ -82,7 +81,7 @@ class GpuPublisher:
     cfg: PublisherConfig
     control: ControlPlane | None
     host: BackgroundPublisher | None
-    slots: GpuSlots
+    slots: GpuExport
     slot_version: list[int]
     """The version each slot holds (-1: none)."""
     published_version: int
@@ -103,13 +102,14 @@ class GpuPublisher:
     _hmac_key: bytes | None
     _on_commit: Callable[[PublishRecord], Awaitable[None] | None] | None
 
-    def __init__(self, redis: aioredis.Redis, names: Names, cfg: PublisherConfig, device: torch.device | str, *,
+    def __init__(self, redis: aioredis.Redis, names: Names, cfg: PublisherConfig, export: GpuExport, *,
                  control: ControlPlane | None = None, host: BackgroundPublisher | None = None,
                  on_commit: Callable[[PublishRecord], Awaitable[None] | None] | None = None) -> None:  # fmt: skip
+        """``export``: where the versions are kept (:func:`local_slots` of this process, or a multi-rank backend's
+        slots on every rank)."""
         self.redis, self.names, self.cfg, self.control, self.host = redis, names, cfg, control, host
-        dtype = DTYPES[cfg.gpu_dtype] if cfg.gpu_dtype else None
-        self.slots = GpuSlots(device, num_slots=cfg.gpu_slots, bucket_bytes=cfg.gpu_bucket_bytes, dtype=dtype)
-        self.slot_version = [-1] * cfg.gpu_slots
+        self.slots = export
+        self.slot_version = [-1] * export.num_slots
         self.published_version = -1
         self.versions_skipped = 0
         self.records = []
@@ -174,7 +174,12 @@ class GpuPublisher:
             self.versions_skipped += 1
             log.debug("weights v%d skipped: every GPU slot is the newest, being committed or leased", version)
             return False
-        fill = await asyncio.to_thread(lambda: self.slots.fill(slot, version, source()))
+        host = self.host
+        if host is not None and not self.slots.hands_over and host.inflight_version is None:
+            # Several ranks: the host transport gets the gathered weights (the path before the GPU one), whenever
+            # it is idle; publisher.gpu_host_copies=false leaves it to the flush at the end.
+            await host.offer(version, source)
+        fill = await asyncio.to_thread(self.slots.fill, slot, version, source)
         self._pending.add(slot)
         self._queued[slot] = version
         self._queue.put_nowait(fill)
@@ -229,7 +234,9 @@ class GpuPublisher:
     def _feed_host(self, version: int, slot: int) -> None:
         """Hand the committed version to the host publisher when it is idle (module docstring)."""
         host = self.host
-        if host is None or host.inflight_version is not None or version <= host.published_version:
+        if host is None or not self.slots.hands_over:
+            return
+        if host.inflight_version is not None or version <= host.published_version:
             return
         if self._host_task is not None and not self._host_task.done():
             return
@@ -273,7 +280,10 @@ class GpuPublisher:
             await self.wait_idle()
             self._raise_error()
         if self.host is not None and self._latest_slot is not None:
-            await self._to_host(version, self._latest_slot, wait=True)
+            if self.slots.hands_over:
+                await self._to_host(version, self._latest_slot, wait=True)
+            else:
+                await self.host.flush(version, source)
             self._raise_error()
 
     def take_records(self) -> list[PublishRecord]:

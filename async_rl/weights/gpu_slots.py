@@ -19,8 +19,9 @@ What a slot holds stays valid until the slot is filled again: :mod:`.gpu_publish
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -28,6 +29,32 @@ from async_rl.weights.cuda_ipc import IpcHandle, export
 from async_rl.weights.gpu_checksum import padded, to_unsigned, wsum64
 from async_rl.weights.manifest import DTYPE_NAMES, BucketEntry, ManifestTensor, PieceEntry, plan_sizes
 from async_rl.weights.snapshot import Piece
+
+PieceSource = Iterable[Piece | tuple[str, torch.Tensor]] | Callable[[], Iterable[Piece | tuple[str, torch.Tensor]]]
+"""A rank's pieces (or (name, tensor) pairs of whole tensors), or a callable that gives them."""
+
+
+class GpuExport(Protocol):
+    """Where a learner's GPU-held versions live: one process's :class:`GpuSlots`, or every rank's
+    (:class:`~async_rl.weights.gpu_ranks.DistributedGpuSlots` behind a backend's command)."""
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def device_bytes(self) -> int: ...
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether :meth:`tensors` is a whole version (the host publisher can be fed from it)."""
+
+    def fill(self, slot: int, version: int, source: PieceSource) -> GpuFill: ...
+
+    def manifest_parts(self, sums: list[int]) -> tuple[list[ManifestTensor], list[BucketEntry]]: ...
+
+    def handles(self, slot: int) -> list[IpcHandle]: ...
+
+    def tensors(self, slot: int) -> list[Piece]: ...
 
 
 @dataclass(slots=True)
@@ -109,7 +136,8 @@ class GpuSlots:
         """GPU bytes held by the allocated slots."""
         return sum(b.numel() for bufs in self._buffers if bufs is not None for b in bufs)
 
-    def _plan(self, pieces: list[Piece]) -> None:
+    def plan(self, pieces: list[Piece]) -> None:
+        """Place ``pieces`` in buckets (the first time; later: ValueError when they changed)."""
         key = tuple((p.name, tuple(p.tensor.shape), p.tensor.dtype, p.full_shape, p.dim, p.start) for p in pieces)
         if self._key is not None:
             if key != self._key:
@@ -132,7 +160,11 @@ class GpuSlots:
             x.bucket, x.offset = bucket, offset
         self.placed, self.bucket_sizes, self._key = placed, sizes, key
 
-    def _allocate(self, slot: int) -> list[torch.Tensor]:
+    def allocated(self, slot: int) -> bool:
+        return self._buffers[slot] is not None
+
+    def allocate(self, slot: int) -> list[torch.Tensor]:
+        """The slot's buckets, allocated (and exported) the first time."""
         bufs = self._buffers[slot]
         if bufs is None:
             bufs = [torch.zeros(padded(n), dtype=torch.uint8, device=self.device) for n in self.bucket_sizes]
@@ -148,6 +180,11 @@ class GpuSlots:
         """The IPC handles of a filled slot's buckets (CUDA only)."""
         return self._handles[slot]
 
+    @property
+    def hands_over(self) -> bool:
+        """The slots hold whole versions: :meth:`tensors` can feed the host publisher."""
+        return True
+
     def tensors(self, slot: int) -> list[Piece]:
         """The pieces as views of a filled slot (valid until the slot is filled again)."""
         return [Piece(x.name, v, None if x.length < 0 else x.full_shape, x.dim, x.start)
@@ -161,20 +198,28 @@ class GpuSlots:
                            x.start if x.length >= 0 else 0, x.length, "raw", self.rank)])
             for x in self.placed
         ]  # fmt: skip
-        buckets = [BucketEntry(first_bucket + i, padded(n), s)
-                   for i, (n, s) in enumerate(zip(self.bucket_sizes, sums, strict=True))]  # fmt: skip
-        return tensors, buckets
+        return tensors, self.bucket_entries(self.bucket_sizes, sums, first_bucket)
 
-    def fill(self, slot: int, version: int, source: Iterable[Piece | tuple[str, torch.Tensor]]) -> GpuFill:
-        """Copy ``source`` (this rank's pieces) into ``slot`` and queue their checksums (module docstring)."""
+    @staticmethod
+    def bucket_entries(sizes: list[int], sums: list[int], first_bucket: int = 0) -> list[BucketEntry]:
+        """Buckets of the given used sizes (padded as allocated) and checksums, indices from ``first_bucket``."""
+        return [BucketEntry(first_bucket + i, padded(n), s) for i, (n, s) in enumerate(zip(sizes, sums, strict=True))]
+
+    def fill(self, slot: int, version: int, source: PieceSource,
+             gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> GpuFill:  # fmt: skip
+        """Copy ``source`` (this rank's pieces, or a callable giving them) into ``slot`` and queue their checksums
+        (module docstring).
+        ``gather``: called on the side stream with this rank's checksums (int64, on the GPU); what it returns (every
+        rank's, on rank 0) is what reaches the host."""
         t0 = time.perf_counter()
         taken_at = time.time()
-        pieces = [p if isinstance(p, Piece) else Piece(p[0], p[1]) for p in source]
+        items = source() if callable(source) else source
+        pieces = [p if isinstance(p, Piece) else Piece(p[0], p[1]) for p in items]
         names = [p.name for p in pieces]
         if len(set(names)) != len(names):
             raise ValueError("weights: a rank gave the same piece twice")
-        self._plan(pieces)
-        bufs = self._allocate(slot)
+        self.plan(pieces)
+        bufs = self.allocate(slot)
         views = self._views[slot]
         cuda = self.device.type == "cuda"
         if not cuda:
@@ -182,7 +227,7 @@ class GpuSlots:
                 for v, p in zip(views, pieces, strict=True):
                     v.copy_(p.tensor.detach())
             sums = torch.stack([wsum64(b) for b in bufs]) if bufs else torch.zeros(0, dtype=torch.int64)
-            return GpuFill(version, slot, taken_at, time.perf_counter() - t0, None, sums)
+            return GpuFill(version, slot, taken_at, time.perf_counter() - t0, None, gather(sums) if gather else sums)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
         stream = self._stream
@@ -190,7 +235,6 @@ class GpuSlots:
         stream.wait_stream(current)  # after the optimizer's last writes
         copied = torch.cuda.Event()
         done = torch.cuda.Event()
-        host = torch.empty(len(bufs), dtype=torch.int64, pin_memory=True)
         with torch.no_grad(), torch.cuda.stream(stream):
             for v, p in zip(views, pieces, strict=True):
                 src = p.tensor.detach()
@@ -198,8 +242,11 @@ class GpuSlots:
                 if src.device.type == "cuda":
                     src.record_stream(stream)  # a temporary (a converted tensor) is not reused before the copy ran
             copied.record(stream)
-            if bufs:
-                host.copy_(torch.stack([wsum64(b) for b in bufs]), non_blocking=True)
+            sums = torch.stack([wsum64(b) for b in bufs]) if bufs else torch.zeros(0, dtype=torch.int64, device=self.device)
+            if gather is not None:
+                sums = gather(sums)
+            host = torch.empty(sums.numel(), dtype=torch.int64, pin_memory=True)
+            host.copy_(sums, non_blocking=True)
             done.record(stream)
         current.wait_event(copied)  # the next optimizer step waits for the copies, never the host
         return GpuFill(version, slot, taken_at, time.perf_counter() - t0, done, host)

@@ -350,6 +350,25 @@ def _validate_pieces(m: Manifest, t: ManifestTensor) -> None:
             raise ManifestError(f"tensor {t.name!r}: a piece lies outside its bucket {p.bucket}")
 
 
+def merge_rank_tensors(parts: Iterable[Iterable[ManifestTensor]]) -> list[ManifestTensor]:
+    """The tensors of several ranks' parts (in rank order) as one list, each tensor's pieces in order along their
+    dimension; ValueError when two ranks disagree on a tensor's dtype or shape."""
+    merged: dict[str, ManifestTensor] = {}
+    for part in parts:
+        for t in part:
+            have = merged.get(t.name)
+            if have is None:
+                merged[t.name] = ManifestTensor(t.name, t.dtype, t.shape, list(t.pieces))
+            elif (have.dtype, have.shape) != (t.dtype, t.shape):
+                raise ValueError(f"weights: ranks disagree on tensor {t.name!r}: {have.dtype} {have.shape} vs "
+                                 f"{t.dtype} {t.shape}")  # fmt: skip
+            else:
+                have.pieces.extend(t.pieces)
+    for t in merged.values():
+        t.pieces.sort(key=lambda p: p.start)
+    return list(merged.values())
+
+
 def plan_sizes(sizes: Iterable[int], bucket_bytes: int) -> tuple[list[tuple[int, int]], list[int]]:
     """Place payloads of ``sizes`` bytes (in order) into buckets of about ``bucket_bytes``: (bucket, offset) of
     each, and the bucket sizes. Empty payloads take no room (bucket 0, offset 0)."""

@@ -42,6 +42,7 @@ from async_rl.weights.manifest import (
     ManifestTensor,
     PieceEntry,
     default_checksum,
+    merge_rank_tensors,
     plan_sizes,
 )
 from async_rl.weights.signing import run_secret
@@ -310,19 +311,8 @@ class WeightPublisher:
         ``base`` (-1: a full version) is the version the parts' deltas apply to; ``full_version`` the full version
         its chain starts from. ``taken_at``: unix time the snapshot of it began (readers measure snapshot-to-applied)."""
         t0 = time.perf_counter() if started_at is None else started_at
-        merged: dict[str, ManifestTensor] = {}
-        for part in sorted(parts, key=lambda p: p.rank):
-            for t in part.tensors:
-                have = merged.get(t.name)
-                if have is None:
-                    merged[t.name] = ManifestTensor(t.name, t.dtype, t.shape, list(t.pieces))
-                elif (have.dtype, have.shape) != (t.dtype, t.shape):
-                    raise ValueError(f"weights: ranks disagree on tensor {t.name!r}: {have.dtype} {have.shape} vs "
-                                     f"{t.dtype} {t.shape}")  # fmt: skip
-                else:
-                    have.pieces.extend(t.pieces)
-        for t in merged.values():
-            t.pieces.sort(key=lambda p: p.start)
+        ordered = sorted(parts, key=lambda p: p.rank)
+        merged = {t.name: t for t in merge_rank_tensors([p.tensors for p in ordered])}
         buckets = sorted((b for p in parts for b in p.buckets), key=lambda b: b.index)
         delta_version = base >= 0
         manifest = Manifest(

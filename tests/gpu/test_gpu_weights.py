@@ -24,7 +24,7 @@ from async_rl.names import Names
 from async_rl.servers import ServerSet
 from async_rl.weights.background import BackgroundPublisher
 from async_rl.weights.config import PublisherConfig
-from async_rl.weights.gpu_publisher import GpuPublisher
+from async_rl.weights.gpu_publisher import GpuPublisher, local_slots
 from async_rl.weights.publisher import WeightPublisher
 from async_rl.weights.reader import WeightReader
 from async_rl.weights.transport import TransportConfig, make_transport
@@ -72,7 +72,7 @@ def _devices() -> list[str]:
 
 async def test_readers_in_other_processes_get_every_version_bit_for_bit(servers, names, redis_client, tmp_path):
     cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=16 << 20)
-    pub = GpuPublisher(redis_client, names, cfg, "cuda:0")
+    pub = GpuPublisher(redis_client, names, cfg, local_slots("cuda:0", cfg))
     await pub.clean()
     for version in (1, 2, 3):
         w = _weights(version)
@@ -93,7 +93,7 @@ async def test_readers_in_other_processes_get_every_version_bit_for_bit(servers,
 async def test_reader_killed_mid_copy_leaves_the_buffers_and_the_next_version_intact(servers, names, redis_client,
                                                                                     tmp_path):  # fmt: skip
     cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=8 << 20)
-    pub = GpuPublisher(redis_client, names, cfg, "cuda:0")
+    pub = GpuPublisher(redis_client, names, cfg, local_slots("cuda:0", cfg))
     await pub.clean()
     w1 = _weights(11, scale_mb=256)
     assert await pub.offer(1, lambda: w1.items())
@@ -124,7 +124,7 @@ async def test_another_namespace_is_refused_the_path_and_reads_the_host_transpor
     cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=16 << 20)
     transport = make_transport(TransportConfig(), servers.redis_url, names)
     host = BackgroundPublisher(WeightPublisher(redis_client, transport, names, cfg))
-    pub = GpuPublisher(redis_client, names, cfg, "cuda:0", host=host)
+    pub = GpuPublisher(redis_client, names, cfg, local_slots("cuda:0", cfg), host=host)
     await pub.clean()
     w = _weights(5)
     await pub.flush(1, lambda: w.items())  # GPU-held and, from its slot, on the host transport

@@ -53,6 +53,7 @@ from actors.learner.megatron.convert import (
 )
 from actors.learner.megatron.launch import init_distributed
 from actors.learner.megatron.logits import CPGather, token_stats
+from actors.learner.megatron.rank_export import rank_pieces
 from actors.learner.megatron.routes import (
     PipelineSplit,
     TokenSplit,
@@ -65,6 +66,9 @@ from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepRes
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 from async_rl.moe import route_dtype
 from async_rl.token_mask import mask_logits
+from async_rl.weights.config import PublisherConfig
+from async_rl.weights.gpu_ranks import DistributedGpuSlots
+from async_rl.weights.gpu_slots import GpuExport, GpuFill
 
 
 def _te_available() -> bool:
@@ -113,6 +117,9 @@ class MegatronBackend(TrainingBackend):
     pad_token_id: int | None
     """The HF config's pad token: its word-embedding row gets no gradient (HF's padding_idx semantics)."""
     _masked_ids: torch.Tensor
+    _gpu_slots: DistributedGpuSlots | None
+    """This rank's GPU slots of its own pieces (several ranks, the GPU weight path; :mod:`.gpu_export`)."""
+    _gpu_cfg: PublisherConfig | None
     """``cfg.masked_token_ids`` on the device (the generators' sampling mask, applied to vocab-parallel logits)."""
 
     def __init__(self, cfg: MegatronConfig, hf_config: object, hf_state_dict: Mapping[str, torch.Tensor] | None = None,
@@ -120,6 +127,7 @@ class MegatronBackend(TrainingBackend):
         from megatron.core import parallel_state as ps
 
         self.cfg = cfg
+        self._gpu_slots = self._gpu_cfg = None
         self.arch = ModelArch.from_hf_config(hf_config)
         pad = getattr(hf_config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None and 0 <= int(pad) < self.arch.vocab_size else None
@@ -679,6 +687,36 @@ class MegatronBackend(TrainingBackend):
         hf = mcore_to_hf(glob, self.arch, fused_experts=self.cfg.fused_experts_export)
         return iter(sorted(hf.items()))
 
+    def gpu_export(self, cfg: PublisherConfig) -> GpuExport | None:
+        """One rank: GPU slots filled from the converted weights. Several: every rank's own slots of its own pieces
+        (:mod:`.gpu_export`), filled by one command."""
+        if torch.distributed.get_world_size() == 1:
+            return super().gpu_export(cfg)
+        from actors.learner.megatron.gpu_export import MegatronGpuExport, rank_slots
+
+        self._gpu_cfg = cfg
+        self._gpu_slots = rank_slots(cfg)
+        return MegatronGpuExport(self, self._gpu_slots)
+
+    def gpu_fill(self, slot: int, version: int) -> GpuFill:
+        """Every rank copies its own pieces into GPU slot ``slot`` as ``version``; rank 0's fill (with every rank's
+        checksums on their way to its host memory)."""
+        return self._gpu_fill(**self._command("gpu_fill", {"slot": slot, "version": version, "cfg": self._gpu_cfg}))
+
+    def _gpu_fill(self, slot: int, version: int, cfg: PublisherConfig) -> GpuFill:
+        from megatron.core import parallel_state as ps
+
+        if self._gpu_slots is None:  # a follower's first fill
+            from actors.learner.megatron.gpu_export import rank_slots
+
+            self._gpu_slots = rank_slots(cfg)
+        local = {name: p.detach() for name, p in _expand_stacked(self.gpt.named_parameters())}
+        pieces = rank_pieces(local, self.naming, self.arch, tp_rank=self.tp_rank, tp_size=self.cfg.tensor_parallel,
+                             etp_rank=self.etp_rank, etp_size=self.etp_size, dense=self.dp_rank == 0 and self.cp_rank == 0,
+                             experts=ps.get_expert_data_parallel_rank() == 0,
+                             fused_experts=self.cfg.fused_experts_export)  # fmt: skip
+        return self._gpu_slots.fill(slot, version, pieces)
+
     @property
     def publish_device(self) -> str:
         """One rank: its GPU (the HF weights are converted there). Several: the gathered export is on the host."""
@@ -731,7 +769,7 @@ class MegatronBackend(TrainingBackend):
     _closed = False
 
 
-_FOLLOWED = ("forward_logprobs", "train_step", "record_routes", "export_weights", "save", "load", "close")
+_FOLLOWED = ("forward_logprobs", "train_step", "record_routes", "export_weights", "gpu_fill", "save", "load", "close")
 """Methods the main rank drives on followers (each has a ``_name`` implementation taking the payload)."""
 
 
