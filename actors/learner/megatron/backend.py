@@ -27,6 +27,7 @@ multiple of ``2*CP`` (and TP under sequence parallelism).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
@@ -69,6 +70,8 @@ from async_rl.token_mask import mask_logits
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.gpu_ranks import DistributedGpuSlots
 from async_rl.weights.gpu_slots import GpuExport, GpuFill
+
+log = logging.getLogger(__name__)
 
 
 def _te_available() -> bool:
@@ -692,6 +695,12 @@ class MegatronBackend(TrainingBackend):
         (:mod:`.gpu_export`), filled by one command."""
         if torch.distributed.get_world_size() == 1:
             return super().gpu_export(cfg)
+        if self.arch.num_experts and self.cfg.fused_experts_export and self.etp_size > 1:
+            # rank_export cannot cut transformers' fused expert tensors by expert tensor parallelism.
+            log.warning("weights: no GPU path with expert_tensor_parallel=%d and fused expert names; set "
+                        "learner.megatron.expert_tensor_parallel=1 or learner.megatron.fused_experts_export=false "
+                        "(per-expert names) for it. Versions are gathered to rank 0 instead", self.etp_size)  # fmt: skip
+            return None
         from actors.learner.megatron.gpu_export import MegatronGpuExport, rank_slots
 
         self._gpu_cfg = cfg
