@@ -122,3 +122,14 @@ def test_gpu_manifests_carry_their_ipc_placement_signed() -> None:
                      full_version=7, ipc=placement)  # fmt: skip
     with pytest.raises(ManifestError, match="wsum64"):
         wrong.validate()
+
+
+def test_gpu_path_settings_are_checked_and_named() -> None:
+    from async_rl.weights.config import PublisherConfig, ReaderConfig
+
+    for kwargs, key in (({"gpu": "maybe"}, "publisher.gpu"), ({"gpu_slots": 1}, "publisher.gpu_slots"),
+                        ({"gpu_dtype": "int8"}, "publisher.gpu_dtype"), ({"gpu_bucket_bytes": 0}, "gpu_bucket_bytes")):
+        with pytest.raises(ValueError, match=key):
+            PublisherConfig(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gpu_lease_ttl_s"):
+        ReaderConfig(gpu_lease_ttl_s=0)
