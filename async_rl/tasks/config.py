@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from async_rl.tasks.base import Task, load_reward_fn
 from async_rl.tasks.jsonl import BUILTIN_REWARDS, JsonlTask
 from async_rl.tasks.toy import TOY_TASKS, ToyTask
 
-TASK_NAMES = (*TOY_TASKS, "jsonl")
+TASK_NAMES = (*TOY_TASKS, "jsonl", "reasoning_gym")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -16,7 +17,8 @@ class TaskConfig:
     """Which prompts to issue and how responses are rewarded."""
 
     name: str = "copy"
-    """copy | reverse | sort | add (built-in toy tasks) or jsonl (prompts from ``jsonl_path``)."""
+    """copy | reverse | sort | add (built-in toy tasks), jsonl (prompts from ``jsonl_path``) or reasoning_gym (a
+    reasoning-gym dataset, ``dataset``)."""
     seed: int = 0
     """Seed of the prompt stream (prompt i depends only on seed and i)."""
     min_digits: int = 5
@@ -30,16 +32,25 @@ class TaskConfig:
     """jsonl: the prompt file."""
     prompt_field: str = "prompt"
     """jsonl: field holding the prompt text."""
+    dataset: str = ""
+    """reasoning_gym: the dataset's name (``basic_arithmetic``, ``chain_sum``, ... any of reasoning-gym's)."""
+    dataset_config: dict[str, Any] = field(default_factory=dict)
+    """reasoning_gym: keyword arguments of the dataset's config (e.g. ``{min_terms = 2, max_terms = 2}``)."""
+    template: str = "{question}\n"
+    """reasoning_gym: the prompt text around the dataset's ``{question}``."""
     tokenizer: str = ""
-    """jsonl: tokenizer for prompt text, a preset or HF directory ('' = the toy char tokenizer)."""
+    """jsonl, reasoning_gym: tokenizer for prompt text, a preset or HF directory (jsonl: '' = the toy char
+    tokenizer; reasoning_gym needs one, e.g. a directory from ``async-rl init-model``)."""
     add_bos: bool = True
-    """jsonl: put the tokenizer's bos token in front of text prompts."""
+    """jsonl, reasoning_gym: put the tokenizer's bos token in front of text prompts."""
     shuffle: bool = True
     """jsonl: reshuffle every epoch (deterministically from seed and epoch)."""
     reward: str = ""
-    """'module:function' of a user's reward, or for jsonl a built-in (exact_match, positional); '' = default."""
+    """'module:function' of a user's reward, or for jsonl a built-in (exact_match, positional, math_verify);
+    '' = the task's own (reasoning_gym: the dataset's scorer)."""
     max_new_tokens: int = 0
-    """Response budget the generators use (0: the task's own, e.g. digits + 1 for copy; 32 for jsonl)."""
+    """Response budget the generators use (0: the task's own, e.g. digits + 1 for copy; 32 for jsonl and
+    reasoning_gym)."""
 
     def __post_init__(self) -> None:
         if self.name not in TASK_NAMES:
@@ -50,6 +61,11 @@ class TaskConfig:
             raise ValueError("task.max_digits must be >= task.min_digits")
         if self.name == "jsonl" and not self.jsonl_path:
             raise ValueError("task.jsonl_path is required when task.name is 'jsonl'")
+        if self.name == "reasoning_gym" and not self.dataset:
+            raise ValueError("task.dataset is required when task.name is 'reasoning_gym'")
+        if self.name == "reasoning_gym" and not self.tokenizer:
+            raise ValueError("task.tokenizer is required when task.name is 'reasoning_gym' (a model directory with "
+                             "a tokenizer, e.g. from 'async-rl init-model DIR')")  # fmt: skip
         builtin_ok = self.name == "jsonl" and self.reward in BUILTIN_REWARDS
         if self.reward and ":" not in self.reward and not builtin_ok:
             also = f" or one of {list(BUILTIN_REWARDS)}" if self.name == "jsonl" else ""
@@ -78,6 +94,15 @@ def build_task(config: TaskConfig) -> Task:
             shuffle=config.shuffle,
             max_new_tokens=config.max_new_tokens or 32,
         )
+    if config.name == "reasoning_gym":
+        from async_rl.models import load_tokenizer
+        from async_rl.tasks.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(
+            config.dataset, tokenizer=load_tokenizer(config.tokenizer), seed=config.seed,
+            dataset_config=config.dataset_config, template=config.template, add_bos=config.add_bos,
+            max_new_tokens=config.max_new_tokens or 32, reward_fn=reward_fn,
+        )  # fmt: skip
     task = ToyTask(
         config.name,
         seed=config.seed,

@@ -7,7 +7,8 @@ once and checked line by line (errors name the line). Epochs are reshuffled dete
 from ``(seed, epoch)``.
 
 Built-in rewards compare the decoded response with the row's ``"answer"``: ``exact_match``
-(1.0 when equal after stripping whitespace) and ``positional`` (per-position partial credit).
+(1.0 when equal after stripping whitespace), ``positional`` (per-position partial credit) and ``math_verify``
+(1.0 when math-verify finds the response's final answer, LaTeX or plain, equal to ``"answer"``).
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ import numpy as np
 
 from async_rl import tokenizer as tt
 from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit
+from async_rl.tasks.text import math_verify_score
 from async_rl.tasks.toy import response_text
 from async_rl.wire import PromptSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-BUILTIN_REWARDS = ("exact_match", "positional")
-"""Rewards a JSONL task can name without code; both need an ``"answer"`` field."""
+BUILTIN_REWARDS = ("exact_match", "positional", "math_verify")
+"""Rewards a JSONL task can name without code; all need an ``"answer"`` field (``math_verify``: the
+math-verify package, mathematical equality of the response's answer and the row's)."""
 
 
 class JsonlTask(Task):
@@ -147,6 +150,8 @@ class JsonlTask(Task):
         if answer is None:
             raise ValueError(f"prompt metadata has no 'answer' for reward {self._reward!r}: {dict(metadata)}")
         answer = str(answer)
+        if self._reward == "math_verify":
+            return math_verify_score(text, answer)
         if self._reward == "exact_match":
             return Score(reward=float(text.strip() == answer.strip()))
         return positional_credit(text.strip(), answer.strip(), strict_length=True)
