@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from actors.learner.evaluation import EvalConfig
 from actors.learner.lr_schedule import LR_SCHEDULES, LrSchedule
 from actors.learner.megatron.config import MegatronConfig
 from async_rl.algorithms import AlgorithmConfig
@@ -182,6 +183,8 @@ class LearnerConfig:
     """Thresholds of the scaling signal the learner publishes for autoscalers (async_rl/scaling.py)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint cadence and resume."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation on the task's held-out prompts every ``eval.interval_versions`` versions (actors/learner/evaluation.py)."""
     publish_every: int = 1
     """Publish weights every this many steps."""
     max_steps: int = 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import signal
 import time
@@ -42,6 +43,7 @@ from actors.learner.backend import TrainingBackend
 from actors.learner.batching import make_micro_batches
 from actors.learner.checkpoint import CheckpointManager, LearnerState
 from actors.learner.config import LearnerConfig
+from actors.learner.evaluation import Evaluator
 from actors.learner.samples import build_samples
 from actors.learner.signals import LearnerSignals
 from async_rl.algorithms import make_loss_fn
@@ -58,6 +60,7 @@ from async_rl.weights import WeightPublisher
 from async_rl.weights.background import BackgroundPublisher, PublishRecord
 from buffer.dead_letters import error_line
 from buffer.entry_checks import EntryChecker, ModelFacts
+from buffer.evals import EvalQueue
 from buffer.prompts import PromptQueue
 from buffer.rollouts import LEARNER_HOLD_FIELD, RolloutEntry, RolloutReader
 from buffer.staleness import StalenessPolicy
@@ -96,6 +99,8 @@ class Learner:
     _reader: RolloutReader | None
     _metrics: MetricsLogger | None
     _task: Task
+    _evals: Evaluator | None
+    """Evaluation rounds on held-out prompts (None while learner.eval.interval_versions is 0)."""
     _checkpoints: CheckpointManager
     _last_ckpt_s: float | None
     """Seconds the checkpoint written during this step took (None: none written), for the step's one line."""
@@ -121,6 +126,7 @@ class Learner:
         self._reader = None
         self._metrics = None
         self._task = build_task(cfg.task)
+        self._evals = None
         self._checkpoints = CheckpointManager(cfg.run.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self._last_ckpt_s = self._last_publish_s = None
         self._checker = None
@@ -199,6 +205,10 @@ class Learner:
             self.state.published_version = latest
             self._weights.published_version = latest  # out already: the loop's final flush has nothing to send
         self._checker.max_version = max(self.state.version, self.state.published_version)
+        if cfg.eval.interval_versions:
+            self._evals = Evaluator(cfg.eval, self._task, EvalQueue(self._redis, names, cfg.prompts), self.state,
+                                    cfg.sampling)  # fmt: skip
+            await self._evals.maybe_issue(self.state.version)
 
     async def run(self) -> LearnerState:
         """Set up, then steps until stopped or done; on every path the resources close in reverse order of opening
@@ -352,6 +362,10 @@ class Learner:
             await self._publish(wait=bool(cfg.max_steps) and step >= cfg.max_steps)
         assert self._weights is not None
         committed = self._weights.take_records()
+        evaluated: dict[str, float] = {}
+        if self._evals is not None:  # a round due at this version goes out; the newest complete one is reported
+            await self._evals.maybe_issue(self.state.version)
+            evaluated = await self._evals.collect()
         metrics: dict[str, Any] = {
             **{f"loss/{k}": v for k, v in result.metrics.items()},
             **{f"adv/{k}": v for k, v in adv_metrics.items()},
@@ -369,6 +383,7 @@ class Learner:
             **_publish_metrics(committed),
             **{f"buffer/{k}": v for k, v in counters.items()},
             **self._signals.fleet_metrics(),
+            **evaluated,
         }  # fmt: skip
         for key in groups[0].samples[0].reward_info:  # every group has samples (the wire format checks it)
             metrics[f"reward/{key}"] = float(np.mean([s.reward_info.get(key, 0.0) for g in groups for s in g.samples]))
@@ -383,6 +398,7 @@ class Learner:
             "version": self.state.version, "step": self.state.step, "published_version": self.state.published_version,
             "versions_skipped": self._weights.versions_skipped,
             **{k.removeprefix("weights/"): round(v, 6) for k, v in _publish_metrics(committed).items()},
+            **({"eval": json.dumps(evaluated)} if evaluated else {}),  # the newest round, for async-rl status
         })  # fmt: skip
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)}
         with contextlib.suppress(Exception):  # progress events are informational
