@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from actors.learner.checkpoint import LearnerState
 from async_rl.sampling import Sampling
-from async_rl.tasks.base import Task
-from buffer.evals import GREEDY_KEY, ROUND_KEY, EvalQueue
+from buffer.evals import GREEDY_KEY, ROUND_KEY
+
+if TYPE_CHECKING:  # the learner's config imports this module: nothing heavy at import
+    from actors.learner.checkpoint import LearnerState
+    from async_rl.tasks.base import Task
+    from buffer.evals import EvalQueue
 
 
 @dataclass(kw_only=True, slots=True)
