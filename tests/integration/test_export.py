@@ -28,7 +28,7 @@ from async_rl import tokenizer as toy_tok
 from async_rl.algorithms.batch import ForwardOutput, MicroBatch, TrainSample
 from async_rl.configurable import load_config
 from async_rl.entry import save_resolved_config
-from async_rl.models import build_model
+from async_rl.models import build_model, preset_config, save_pretrained_dir
 from async_rl.names import Names
 from async_rl.servers import ServerSet
 from async_rl.transport import RedisTransport
@@ -139,12 +139,13 @@ def _write_megatron_checkpoint(run_dir: Path, model: torch.nn.Module, *, tp: int
     (run_dir / "checkpoints" / "latest").write_text(ckpt.name)
 
 
-@pytest.mark.parametrize("te_spec", [False, True])
-def test_megatron_checkpoint_exports_the_model_bit_for_bit(tmp_path: Path, te_spec: bool) -> None:
+@pytest.mark.parametrize(("te_spec", "tied"), [(False, False), (True, False), (False, True)])
+def test_megatron_checkpoint_exports_the_model_bit_for_bit(tmp_path: Path, te_spec: bool, tied: bool) -> None:
     run_dir, out = tmp_path / "run", tmp_path / "hf"
-    cfg = _learner_config(run_dir, "backend=megatron")
+    model = build_model(preset_config("tiny-moe", tie_word_embeddings=tied), seed=3)
+    name = str(save_pretrained_dir(tmp_path / "model", model)) if tied else "tiny-moe"  # tied: a model directory
+    cfg = _learner_config(run_dir, "backend=megatron", f"model.name={name}")
     save_resolved_config(cfg, run_dir, "learner")
-    model = build_model("tiny-moe", seed=3)
     _write_megatron_checkpoint(run_dir, model, tp=2, pp=2, ep=2, te_spec=te_spec)
     assert export_main([str(run_dir), str(out)]) == 0
     loaded = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
