@@ -3,8 +3,9 @@ issued to the evaluation queue (:mod:`buffer.evals`, apart from training in ever
 as ``eval/<task>/...`` metrics in the learner's step rows (metrics.jsonl, wandb) and in ``async-rl status``.
 
 A *round* is the task's first ``eval.num_prompts`` held-out prompts (:meth:`Task.eval_prompt`, the same ones every
-round, so rounds compare), issued at learner version ``v`` with ``min_version = v``: generators sample them with
-version ``v`` or newer, greedily by default (``eval.temperature = 0``). A round is reported in the first step row
+round, so rounds compare), issued at learner version ``v`` with ``min_version`` = the newest version already handed
+to the publisher (``v`` itself when it publishes every step): generators sample them with that version or newer,
+greedily by default (``eval.temperature = 0``). A round is reported in the first step row
 after all its prompts are scored (or, if some were dead-lettered, once a newer round is complete): the mean reward
 and each reward component over its samples, how many prompts it had, its version and the oldest weight version
 its tokens came from. The round bookkeeping (next round, results cursor, partial sums) lives in the learner
@@ -82,8 +83,12 @@ class Evaluator:
         """The round bookkeeping in the learner state (checkpointed with it)."""
         return self.state.extra.setdefault("eval", {"next_round": 0, "cursor": "0-0", "rounds": {}})
 
-    async def maybe_issue(self, version: int) -> int:
-        """Issue a round when ``version`` has reached the next one due; returns the prompts issued."""
+    async def maybe_issue(self, version: int, min_version: int | None = None) -> int:
+        """Issue a round when ``version`` has reached the next one due; returns the prompts issued.
+
+        ``min_version``: the oldest weights its prompts may be sampled with (default ``version``). The learner passes
+        the newest version already handed to the publisher: one that becomes visible without another step, so a
+        generator waiting for it can never wait on training it is itself holding up."""
         book = self._book
         if version < book["next_round"]:
             return 0
@@ -94,7 +99,8 @@ class Evaluator:
             spec = self.task.eval_prompt(j)
             meta = {**spec.metadata, ROUND_KEY: version, GREEDY_KEY: self.cfg.temperature == 0}
             specs.append(dataclasses.replace(spec, prompt_id=f"{spec.prompt_id}@v{version}", metadata=meta,
-                                             sampling=self.sampling, min_version=version))  # fmt: skip
+                                             sampling=self.sampling,
+                                             min_version=version if min_version is None else min_version))  # fmt: skip
         book["rounds"].setdefault(str(version), _empty_round())
         return await self.queue.issue(specs, version)
 

@@ -364,7 +364,7 @@ class Learner:
         committed = self._weights.take_records()
         evaluated: dict[str, float] = {}
         if self._evals is not None:  # a round due at this version goes out; the newest complete one is reported
-            await self._evals.maybe_issue(self.state.version)
+            await self._evals.maybe_issue(self.state.version, min_version=self._offered_version)
             evaluated = await self._evals.collect()
         metrics: dict[str, Any] = {
             **{f"loss/{k}": v for k, v in result.metrics.items()},
