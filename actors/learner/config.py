@@ -221,6 +221,9 @@ class LearnerConfig:
             raise ValueError("learner.read_block_ms must be >= 1")
         if not 0 <= self.admission_lag_versions <= self.staleness.max_staleness:
             raise ValueError("learner.admission_lag_versions must be in [0, staleness.max_staleness]")
+        if self.eval.interval_versions and self.task.name == "jsonl" and not self.task.eval_jsonl_path:
+            raise ValueError("learner.eval.interval_versions needs held-out prompts: with task.name=jsonl set "
+                             "task.eval_jsonl_path")  # fmt: skip
         if self.algorithm.advantage.estimator in ("grpo", "rloo") and self.sampling.n < 2:
             raise ValueError(f"learner.sampling.n must be >= 2 for the {self.algorithm.advantage.estimator} "
                              "estimator (a group of one has zero advantage)")  # fmt: skip

@@ -30,6 +30,8 @@ class TaskConfig:
     right prefix earns full credit whatever follows; see ``async_rl.tasks.base.positional_credit``)."""
     jsonl_path: str = ""
     """jsonl: the prompt file."""
+    eval_jsonl_path: str = ""
+    """jsonl: a file of held-out prompts for evaluation (learner.eval); the other tasks have a held-out split."""
     prompt_field: str = "prompt"
     """jsonl: field holding the prompt text."""
     dataset: str = ""
@@ -93,6 +95,7 @@ def build_task(config: TaskConfig) -> Task:
             add_bos=config.add_bos,
             shuffle=config.shuffle,
             max_new_tokens=config.max_new_tokens or 32,
+            eval_path=config.eval_jsonl_path or None,
         )
     if config.name == "reasoning_gym":
         from async_rl.models import load_tokenizer

@@ -43,6 +43,8 @@ class JsonlTask(Task):
     shuffle: bool
     rows: list[tuple[str, np.ndarray, dict[str, Any]]]
     """(row id, prompt ids, metadata) per line."""
+    eval_rows: list[tuple[str, np.ndarray, dict[str, Any]]]
+    """The same, of the held-out file (``task.eval_jsonl_path``; empty without one)."""
 
     def __init__(
         self,
@@ -56,7 +58,9 @@ class JsonlTask(Task):
         add_bos: bool = True,
         shuffle: bool = True,
         max_new_tokens: int = 32,
+        eval_path: str | Path | None = None,
     ) -> None:
+        """``eval_path``: a second JSONL file of the same form, the held-out split (:meth:`eval_prompt`)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise ValueError(f"task.jsonl_path {str(self.path)!r} is not a file")
@@ -79,6 +83,19 @@ class JsonlTask(Task):
                     self.rows.append(self._parse(line, lineno, prompt_field, bos if add_bos else None))
         if not self.rows:
             raise ValueError(f"task.jsonl_path {str(self.path)!r} has no prompts")
+        self.eval_rows = []
+        if eval_path is not None:
+            held_out = Path(eval_path)
+            if not held_out.is_file():
+                raise ValueError(f"task.eval_jsonl_path {str(held_out)!r} is not a file")
+            main_path, self.path = self.path, held_out  # _parse names the file it reads
+            with held_out.open(encoding="utf-8") as f:
+                for lineno, line in enumerate(f, start=1):
+                    if line.strip():
+                        self.eval_rows.append(self._parse(line, lineno, prompt_field, bos if add_bos else None))
+            self.path = main_path
+            if not self.eval_rows:
+                raise ValueError(f"task.eval_jsonl_path {str(held_out)!r} has no prompts")
         if reward_fn is None and any("answer" not in meta for _, _, meta in self.rows):
             missing = next(i for i, (_, _, meta) in enumerate(self.rows) if "answer" not in meta)
             raise ValueError(f"{self.path}: reward {reward!r} needs an 'answer' field; row {missing + 1} has none")
@@ -132,6 +149,15 @@ class JsonlTask(Task):
             pos = int(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))[pos])
         _, ids, meta = self.rows[pos]
         return PromptSpec(prompt_id=f"jsonl-{self.seed}-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
+
+    def eval_prompt(self, index: int) -> PromptSpec:
+        """Held-out row ``index`` (cycling through ``task.eval_jsonl_path`` in file order)."""
+        if not self.eval_rows:
+            raise ValueError("task 'jsonl' has no held-out split: set task.eval_jsonl_path")
+        if index < 0:
+            raise ValueError(f"eval prompt index must be >= 0, got {index}")
+        _, ids, meta = self.eval_rows[index % len(self.eval_rows)]
+        return PromptSpec(prompt_id=f"jsonl-eval-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
 
     def decode(self, response_ids: np.ndarray) -> str:
         """Response text cut at the first end token."""

@@ -97,3 +97,19 @@ def test_toy_tasks_have_a_held_out_stream() -> None:
     held_out = [task.eval_prompt(i) for i in range(200)]
     assert held_out[0].prompt_id == "copy-0-eval-0" and task.eval_prompt(0).metadata == held_out[0].metadata
     assert len(train & {p.metadata["prompt"] for p in held_out}) < 5  # a stream of its own (collisions by chance)
+
+
+def test_jsonl_held_out_file_and_the_learner_config_asks_for_one(tmp_path: Path) -> None:
+    from actors.learner.config import LearnerConfig
+    from async_rl.configurable import ConfigError, load_config
+
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text('{"prompt": "12=", "answer": "12"}\n')
+    held_out.write_text('{"prompt": "34=", "answer": "34"}\n{"prompt": "56=", "answer": "56"}\n')
+    task = build_task(TaskConfig(name="jsonl", jsonl_path=str(train), eval_jsonl_path=str(held_out)))
+    assert [task.eval_prompt(j).metadata["answer"] for j in range(3)] == ["34", "56", "34"]
+    assert task.eval_prompt(2).prompt_id == "jsonl-eval-2"
+    with pytest.raises(ValueError, match="task.eval_jsonl_path"):
+        build_task(TaskConfig(name="jsonl", jsonl_path=str(train))).eval_prompt(0)
+    with pytest.raises(ConfigError, match="task.eval_jsonl_path"):
+        load_config(LearnerConfig, None, ["task.name=jsonl", f"task.jsonl_path={train}", "eval.interval_versions=5"])
