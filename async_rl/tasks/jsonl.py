@@ -22,7 +22,7 @@ import numpy as np
 
 from async_rl import tokenizer as tt
 from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit
-from async_rl.tasks.text import math_verify_score
+from async_rl.tasks.text import decode_response, math_verify_score
 from async_rl.tasks.toy import response_text
 from async_rl.wire import PromptSpec
 
@@ -75,7 +75,6 @@ class JsonlTask(Task):
         self._tokenizer = tokenizer
         self._max_new_tokens = max_new_tokens
         bos = tt.BOS_ID if tokenizer is None else tokenizer.bos_token_id
-        self._eos = tt.EOS_ID if tokenizer is None else tokenizer.eos_token_id
         self.rows = []
         with self.path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
@@ -163,10 +162,7 @@ class JsonlTask(Task):
         """Response text cut at the first end token."""
         if self._tokenizer is None:
             return response_text(response_ids)
-        ids = np.asarray(response_ids).tolist()
-        if self._eos is not None and self._eos in ids:
-            ids = ids[: ids.index(self._eos)]
-        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+        return decode_response(self._tokenizer, response_ids)
 
     def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
         text = self.decode(response_ids)
