@@ -131,6 +131,7 @@ def _write_megatron_checkpoint(run_dir: Path, model: torch.nn.Module, *, tp: int
                                 has_output=stage == pp - 1)  # fmt: skip
             local = local_state(glob, naming, arch, tp_rank, tp)
             local["decoder.final_layernorm._extra_state"] = torch.zeros(0)  # TE's extra state: not a weight
+            local["rotary_pos_emb.inv_freq"] = torch.ones(4)  # a buffer: not a weight either
             torch.save({"model": local, "optimizer": {}}, ckpt / "backend" / RANK_FILE.format(rank=rank))
             write_rank_layout(ckpt / "backend", rank, naming, tp_rank=tp_rank, tp_size=tp, etp_rank=0, etp_size=1)
             rank += 1

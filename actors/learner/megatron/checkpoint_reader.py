@@ -55,6 +55,7 @@ def read_global_weights(directory: Path, arch: ModelArch) -> dict[str, torch.Ten
     ranks = sorted(directory.glob("megatron_rank*.pt"))
     if not ranks:
         raise ValueError(f"{directory} holds no Megatron rank files (megatron_rank*.pt)")
+    expected = set(expected_global_names(arch))  # the weights; a state dict also holds buffers (rotary, TE state...)
     slices: dict[str, dict[int, torch.Tensor]] = {}  # global name -> tp (or etp) rank -> slice
     sizes: dict[str, int] = {}
     for pt in ranks:
@@ -70,7 +71,7 @@ def read_global_weights(directory: Path, arch: ModelArch) -> dict[str, torch.Ten
                 continue
             for local, t in _expand_grouped(name, tensor):
                 g = global_name(local, naming, arch.moe_layers)
-                if g is None or (g == "output_layer.weight" and arch.tie_embeddings):
+                if g is None or g not in expected or (g == "output_layer.weight" and arch.tie_embeddings):
                     continue
                 m = LAYER_NAME.match(g)
                 expert = m is not None and GLOBAL_EXPERT_NAME.match(m.group(2)) is not None
@@ -84,7 +85,7 @@ def read_global_weights(directory: Path, arch: ModelArch) -> dict[str, torch.Ten
         if sorted(parts) != list(range(sizes[g])):
             raise ValueError(f"{g}: slices of tensor-parallel ranks {sorted(parts)} of {sizes[g]} in {directory}")
         glob[g] = unshard(g, [parts[r] for r in range(sizes[g])]) if sizes[g] > 1 else parts[0]
-    missing = sorted(set(expected_global_names(arch)) - set(glob))
+    missing = sorted(expected - set(glob) - ({"output_layer.weight"} if arch.tie_embeddings else set()))
     if missing:
         raise ValueError(f"{directory}: the rank files lack {len(missing)} weights, e.g. {missing[:3]}")
     return glob
