@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +113,10 @@ async def test_torch_export_loads_with_learner_logprobs_and_published_bits(
     assert export_main([str(run_dir), str(tmp_path / "x"), "--step", "7"]) == 1  # "kept: 1, 2"
 
 
+_STAND_IN = types.ModuleType("megatron_stand_in")
+_STAND_IN.OptimizerState = type("OptimizerState", (), {"__module__": "megatron_stand_in"})  # type: ignore[attr-defined]
+
+
 def _write_megatron_checkpoint(run_dir: Path, model: torch.nn.Module, *, tp: int, pp: int, ep: int,
                                te_spec: bool) -> None:  # fmt: skip
     """The files MegatronBackend.save writes for a TP x PP x EP layout (one per rank: the rank's own parameter names
@@ -132,7 +138,14 @@ def _write_megatron_checkpoint(run_dir: Path, model: torch.nn.Module, *, tp: int
             local = local_state(glob, naming, arch, tp_rank, tp)
             local["decoder.final_layernorm._extra_state"] = torch.zeros(0)  # TE's extra state: not a weight
             local["rotary_pos_emb.inv_freq"] = torch.ones(4)  # a buffer: not a weight either
-            torch.save({"model": local, "optimizer": {}}, ckpt / "backend" / RANK_FILE.format(rank=rank))
+            # The optimizer state holds objects of megatron-core's classes, which the exporting host may lack: a
+            # module that exists only while saving stands for it.
+            sys.modules[_STAND_IN.__name__] = _STAND_IN
+            try:
+                torch.save({"model": local, "optimizer": {"state": _STAND_IN.OptimizerState()}},
+                           ckpt / "backend" / RANK_FILE.format(rank=rank))  # fmt: skip
+            finally:
+                del sys.modules[_STAND_IN.__name__]
             write_rank_layout(ckpt / "backend", rank, naming, tp_rank=tp_rank, tp_size=tp, etp_rank=0, etp_size=1)
             rank += 1
     (ckpt / "state.json").write_text(json.dumps({"step": 3, "version": 3, "prompts_issued": 0,

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import re
+import types
 from pathlib import Path
 
 import torch
@@ -65,7 +67,7 @@ def read_global_weights(directory: Path, arch: ModelArch) -> dict[str, torch.Ten
                              "resume it with this version's learner and let it checkpoint once")  # fmt: skip
         layout = json.loads(layout_path.read_text())
         naming = RankNaming(**layout["naming"])
-        state = torch.load(pt, map_location="cpu", weights_only=False)["model"]
+        state = torch.load(pt, map_location="cpu", weights_only=False, pickle_module=_lenient_pickle)["model"]
         for name, tensor in state.items():
             if not isinstance(tensor, torch.Tensor) or "_extra_state" in name:
                 continue
@@ -89,6 +91,30 @@ def read_global_weights(directory: Path, arch: ModelArch) -> dict[str, torch.Ten
     if missing:
         raise ValueError(f"{directory}: the rank files lack {len(missing)} weights, e.g. {missing[:3]}")
     return glob
+
+
+class _Absent:
+    """Stands for an object of a class this host cannot import (megatron-core's, in the optimizer state): the
+    reader needs only the model's tensors, so an export runs where megatron-core is not installed."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+
+class _LenientUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> type:
+        try:
+            return super().find_class(module, name)  # type: ignore[no-any-return]
+        except (ImportError, AttributeError):
+            return _Absent
+
+
+_lenient_pickle = types.SimpleNamespace(__name__="pickle", Unpickler=_LenientUnpickler, load=pickle.load,
+                                        dump=pickle.dump, Pickler=pickle.Pickler)  # fmt: skip
+"""``torch.load``'s pickle module for rank files: unknown classes load as :class:`_Absent`."""
 
 
 def _expand_grouped(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
