@@ -124,7 +124,12 @@ class EvalQueue:
 
     # ---- generator side ----------------------------------------------------------------
     async def read(self, consumer: str, count: int) -> list[PromptEntry]:
-        """Up to ``count`` evaluation prompts for ``consumer`` (never blocks: training prompts wait otherwise)."""
+        """Up to ``count`` evaluation prompts for ``consumer`` (never blocks: training prompts wait otherwise).
+
+        One ``XLEN`` when there are none (a run without evaluation: every generator loop asks): entries stay in the
+        stream until acked, so a prompt a dead generator held keeps it non-empty until someone reclaims it."""
+        if not await self.redis.xlen(self.names.evaluation.prompts_stream):
+            return []
         return await self.prompts.read(consumer, count, block_ms=0)
 
     async def finish(self, entry: PromptEntry, result: EvalResult) -> None:
