@@ -699,8 +699,9 @@ class MegatronBackend(TrainingBackend):
         rank = torch.distributed.get_rank()
         torch.save({"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict()},
                    directory / f"megatron_rank{rank:05d}.pt")  # fmt: skip
+        # The rank's place in the layout beside its slices: async-rl export joins every rank's on the host.
         write_rank_layout(directory, rank, self.naming, tp_rank=self.tp_rank, tp_size=self.cfg.tensor_parallel,
-                          etp_rank=self.etp_rank, etp_size=self.etp_size)  # fmt: skip (read by async-rl export)
+                          etp_rank=self.etp_rank, etp_size=self.etp_size)  # fmt: skip
         torch.distributed.barrier()
 
     def load(self, directory: Path) -> None:
