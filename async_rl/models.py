@@ -196,6 +196,11 @@ def load_tokenizer(path_or_preset: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(name, local_files_only=True)
 
 
+TOKENIZERS = ("chars", "bytes")
+"""Tokenizers a model directory can be written with: the toy char tokenizer, or the byte-level one
+(:mod:`async_rl.byte_tokenizer`: any text, for tasks like reasoning-gym's)."""
+
+
 def save_pretrained_dir(
     path: str | Path,
     model: PreTrainedModel | None = None,
@@ -203,14 +208,29 @@ def save_pretrained_dir(
     preset: str = "tiny-moe",
     seed: int = 0,
     dtype: str = "float32",
+    tokenizer: str = "chars",
 ) -> Path:
     """Write ``model`` (or preset ``preset`` built with ``seed``) as a self-contained HF directory.
 
     The directory holds config.json, generation_config.json, model.safetensors and the
     tokenizer files, and loads offline in transformers (:func:`load_model`) and vLLM.
+    ``tokenizer="bytes"`` writes the byte-level tokenizer and sizes the preset for it (260 tokens,
+    positions up to :data:`async_rl.byte_tokenizer.MODEL_MAX_LENGTH`).
     """
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {list(TOKENIZERS)}, got {tokenizer!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if tokenizer == "bytes":
+        from async_rl import byte_tokenizer as bt
+
+        if model is None:
+            config = preset_config(preset, vocab_size=bt.VOCAB_SIZE, pad_token_id=bt.PAD_ID, bos_token_id=bt.BOS_ID,
+                                   eos_token_id=bt.EOS_ID, max_position_embeddings=bt.MODEL_MAX_LENGTH)  # fmt: skip
+            model = build_model(config, seed=seed, dtype=dtype)
+        model.save_pretrained(str(path), safe_serialization=True)
+        bt.build_byte_tokenizer().save_pretrained(str(path))
+        return path
     if model is None:
         model = build_model(preset, seed=seed, dtype=dtype)
     model.save_pretrained(str(path), safe_serialization=True)

@@ -91,6 +91,18 @@ class Names:
     prompts_group: str = "generators"
     rollouts_group: str = "learner"
 
+    # ---- evaluation: held-out prompts, apart from training (buffer.evals) ----
+    @property
+    def evaluation(self) -> EvalNames:
+        """The names of the run's evaluation queue: the prompt stream, audit and counters keys under
+        ``<prefix>:eval:``, so that a prompt queue and an audit built on them never touch training's."""
+        return EvalNames(prefix=self.prefix)
+
+    @property
+    def eval_results_stream(self) -> str:
+        """Stream of scored evaluation prompts (generators append, the learner reads by cursor)."""
+        return self.key("eval", "results")
+
     @property
     def prompt_counters(self) -> str:
         """Hash of prompt admission counters (issued, consumed)."""
@@ -213,3 +225,29 @@ class Names:
     def scaling_subject(self) -> str:
         """The learner's scaling signal (wait share, backlog, suggested generators) for autoscalers."""
         return self.subject("scaling")
+
+
+@dataclass(frozen=True, slots=True)
+class EvalNames(Names):
+    """:class:`Names` whose prompt queue and audit keys are the evaluation queue's (``<prefix>:eval:...``); every
+    other name (dead letters, weights, subjects) is the run's own."""
+
+    @property
+    def prompts_stream(self) -> str:
+        return self.key("eval", "prompts")
+
+    @property
+    def audit_open(self) -> str:
+        return self.key("eval", "open")
+
+    @property
+    def audit_fates(self) -> str:
+        return self.key("eval", "fates")
+
+    @property
+    def audit_counters(self) -> str:
+        return self.key("eval", "counters")
+
+    @property
+    def prompt_counters(self) -> str:
+        return self.key("eval", "prompt-counters")

@@ -33,6 +33,9 @@ from buffer.streams import check_client, sid
 
 FATES = ("trained", "dropped_stale", "dead_lettered")
 """Final fates of an issued prompt (also the counter fields of ``Names.audit_counters``)."""
+EVAL_FATES = ("evaluated", "dead_lettered")
+"""Final fates of an evaluation prompt (:mod:`buffer.evals`: its own open set and counters, under
+``Names.evaluation``): scored and its result appended, or dead-lettered."""
 # ~150 bytes a fate in Redis: 200k fates is ~30 MB, about 6,000 steps of 32 prompts, while the counters keep totals.
 DEFAULT_MAX_FATES = 200_000
 
@@ -88,11 +91,15 @@ class Audit:
     redis: aioredis.Redis
     names: Names
     cfg: AuditConfig
+    fates_allowed: tuple[str, ...]
+    """The fates this audit records: :data:`FATES` for training prompts, :data:`EVAL_FATES` for evaluation's."""
 
-    def __init__(self, redis: aioredis.Redis, names: Names, cfg: AuditConfig | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, names: Names, cfg: AuditConfig | None = None,
+                 fates: tuple[str, ...] = FATES) -> None:  # fmt: skip
         self.redis = check_client(redis, "Audit")
         self.names = names
         self.cfg = cfg or AuditConfig()
+        self.fates_allowed = fates
 
     def issue_args(self, version: int, items: Sequence[tuple[str, bytes]]) -> tuple[str, int, list[Any]]:
         """Script, key count and arguments that issue ``(prompt id, encoded spec)`` pairs at ``version``."""
@@ -104,8 +111,8 @@ class Audit:
 
     def finish_into(self, pipe: Any, fate: str, items: Iterable[tuple[str, str]]) -> bool:
         """Queue, in ``pipe`` (a transaction), the fate of each ``(prompt id, detail)``; False when there are none."""
-        if fate not in FATES:
-            raise ValueError(f"fate must be one of {FATES}, got {fate!r}")
+        if fate not in self.fates_allowed:
+            raise ValueError(f"fate must be one of {self.fates_allowed}, got {fate!r}")
         flat: list[str] = []
         for pid, detail in items:
             flat += [pid, detail]
@@ -142,7 +149,7 @@ class Audit:
             pipe.hlen(self.names.audit_open)
             raw, open_n = await pipe.execute()
         c = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
-        out = {"issued": c.get("issued", 0), **{f: c.get(f, 0) for f in FATES}}
+        out = {"issued": c.get("issued", 0), **{f: c.get(f, 0) for f in self.fates_allowed}}
         out["in_flight"] = int(open_n)
         return out
 

@@ -101,12 +101,15 @@ class PromptQueue:
     _group_ready: bool
     _in_flight: dict[str, str]
 
-    def __init__(self, redis: aioredis.Redis, names: Names, cfg: PromptQueueConfig | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, names: Names, cfg: PromptQueueConfig | None = None,
+                 audit: Audit | None = None) -> None:  # fmt: skip
+        """``audit``: the audit of this queue's prompts (default: the run's training audit; :mod:`buffer.evals`
+        passes the evaluation queue's)."""
         self.redis = check_client(redis, "PromptQueue")
         self.names = names
         self.cfg = cfg or PromptQueueConfig()
         self.dead_letters = DeadLetters(self.redis, names, self.cfg.dead_letters)
-        self.audit = Audit(self.redis, names)
+        self.audit = audit or Audit(self.redis, names)
         self._reclaimer = Reclaimer(names.prompts_stream, names.prompts_group)
         self._group_ready = False
         self._in_flight = {}  # entry id -> consumer holding it
@@ -252,6 +255,11 @@ class PromptQueue:
         for i in ids:
             self._in_flight.pop(i, None)
         return int(acked)
+
+    def forget(self, entries: Sequence[PromptEntry | str]) -> None:
+        """Entries acked by a caller's own transaction (:meth:`buffer.evals.EvalQueue.finish`): no longer held."""
+        for e in entries:
+            self._in_flight.pop(e if isinstance(e, str) else e.entry_id, None)
 
     async def release(self, entries: Sequence[PromptEntry | str]) -> int:
         """Give prompts back unprocessed (shutdown path): any generator's next read reclaims them at once."""

@@ -49,6 +49,12 @@ def generator_selectors(n: Names) -> list[str]:
     return [
         # prompts: consume through the group (read, ack, reclaim, release, touch), never add
         f"(~{n.prompts_stream} +xreadgroup +xack +xclaim +xautoclaim +xpending +xdel +xgroup|create +xinfo|groups)",
+        # evaluation: held-out prompts through their own group; the result, the ack and the fate in one transaction
+        f"(~{n.evaluation.prompts_stream} +xlen +xreadgroup +xack +xclaim +xautoclaim +xpending +xdel +xgroup|create "
+        "+xinfo|groups)",
+        f"(~{n.eval_results_stream} +xadd)",
+        f"(~{n.evaluation.audit_open} ~{n.evaluation.audit_fates} ~{n.evaluation.audit_counters} "
+        f"~{n.evaluation.prompt_counters} +eval +evalsha +hdel +xadd +hincrby)",
         # rollouts: append, records beside the stream, back-pressure
         f"(~{n.rollouts_stream} +xadd +xlen)",
         f"(~{n.rollout_payload('*')} +set)",

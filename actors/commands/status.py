@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
 async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
+    from buffer.evals import EvalQueue
     from buffer.stats import buffer_stats
 
     names = run.names
@@ -55,6 +56,7 @@ async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) 
         latest = await client.get(names.weights_latest)
         scaling = await client.get(names.scaling_state)
         registry: dict[bytes, bytes] = await client.hgetall(names.generators)  # type: ignore[assignment]
+        eval_counters = await EvalQueue(client, names).counters()
     finally:
         await client.aclose()
     now = time.time()
@@ -85,6 +87,8 @@ async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) 
         "generators": gens,
         "buffer": stats,
         "scaling": _scaling(scaling),
+        # The newest evaluation round the learner reported (eval/<task>/...), and the evaluation queue's totals.
+        "eval": {"latest": json.loads(learner.pop("eval", "{}")), "prompts": eval_counters},
     }
 
 
@@ -164,6 +168,17 @@ def render(snap: dict[str, Any]) -> Any:
         sc.add_row(f"{s['wait_share']:.0%}", f"{s['backlog_groups']} ({s['backlog_batches']:.2f})",
                    str(s["generators"]), str(s["suggested_generators"]), s["decision"])  # fmt: skip
         parts.insert(1, sc)
+    ev = snap.get("eval") or {}
+    if ev.get("latest") or (ev.get("prompts") or {}).get("issued"):
+        et = Table(title="evaluation on held-out prompts (never trained on; not in the prompts' totals above)")
+        for col in ("metric", "value"):
+            et.add_column(col)
+        for k, val in sorted(ev.get("latest", {}).items()):
+            et.add_row(k, f"{val:.4g}")
+        c = ev.get("prompts", {})
+        et.add_row("prompts issued / evaluated / dead-lettered / in flight",
+                   " / ".join(str(c.get(k, 0)) for k in ("issued", "evaluated", "dead_lettered", "in_flight")))  # fmt: skip
+        parts.insert(2, et)
     if b["dead_letters"]["latest"]:
         dl = Table(title="latest dead letters")
         for col in ("source", "id", "generator", "reason", "error"):

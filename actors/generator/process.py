@@ -42,6 +42,7 @@ from async_rl.weights import WeightReader
 from async_rl.weights.gpu_reader import GpuReader
 from async_rl.weights.transport import make_transport
 from async_rl.wire_types import GroupRecord, Sample
+from buffer.evals import GREEDY_KEY, ROUND_KEY, EvalQueue, EvalResult
 from buffer.prompts import PromptEntry, PromptQueue
 from buffer.rollouts import RolloutWriter
 
@@ -88,6 +89,9 @@ class Generator:
     _task: Task | None
     _prompts: PromptQueue | None
     _held: list[PromptEntry]
+    _evals: EvalQueue | None
+    """The run's evaluation queue (buffer/evals.py): read before training prompts, scored, never trained on."""
+    _held_evals: list[PromptEntry]
     _started_at: float
     _abort_event: asyncio.Event
     _done: asyncio.Event
@@ -115,6 +119,8 @@ class Generator:
         self._task = None
         self._prompts = None
         self._held = []
+        self._evals = None
+        self._held_evals = []
         self._started_at = time.time()
         self.run_ended = None
         self._metrics = GeneratorMetrics(cfg)
@@ -131,6 +137,7 @@ class Generator:
         self._redis = redis_client(cfg.run.redis_url)  # bounded retries, then the error ends the process
         stack.push_async_callback(self._redis.aclose)
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
+        self._evals = EvalQueue(self._redis, names, cfg.prompts)
         self._control = await ControlPlane(cfg.run.nats_url, name=cfg.generator_id, cfg=cfg.control).connect()
         stack.push_async_callback(self._control.close)
         await self._control.subscribe(names.control_subject, self._on_control, kinds=(Control, RunEnded))
@@ -181,6 +188,10 @@ class Generator:
             except Exception as exc:  # the server is gone: they stay pending and are reclaimed after the idle time
                 log.warning("releasing %d held prompts failed (%r); others reclaim them", len(self._held), exc)
             self._held = []
+        if self._held_evals and self._evals is not None:
+            with contextlib.suppress(Exception):  # else reclaimed after the idle time, like prompts
+                await self._evals.release(self._held_evals)
+            self._held_evals = []
         if self._control is not None:
             with contextlib.suppress(Exception):  # the last heartbeat says "stopping"; NATS may be gone
                 await self._control.publish(self.cfg.run.names.heartbeat_subject, self._heartbeat())
@@ -276,6 +287,8 @@ class Generator:
                     self._on_run_end(ended)
                 if self._held and self._prompts is not None:  # still working on them: nobody may reclaim them
                     await self._prompts.touch(self.cfg.generator_id, self._held)
+                if self._held_evals and self._evals is not None:
+                    await self._evals.prompts.touch(self.cfg.generator_id, self._held_evals)
             except Exception as exc:  # retry boundary: NATS reconnects by itself, Redis is retried next beat
                 log.warning("heartbeat failed: %r", exc)
             with contextlib.suppress(TimeoutError):
@@ -300,6 +313,12 @@ class Generator:
                 if want <= 0:
                     log.info("generator %s: max_prompts reached", cfg.generator_id)
                     return
+            assert self._evals is not None
+            evals = await self._evals.read(cfg.generator_id, want)  # evaluation first: a round is small and due now
+            if evals:
+                self._held_evals = list(evals)
+                await self._evaluate(evals)
+                continue
             entries = await prompts.read(cfg.generator_id, want, block_ms=cfg.read_block_ms)
             if not entries:
                 continue
@@ -334,6 +353,37 @@ class Generator:
                 num_tokens = sum(int(s.response_ids.size) for s in samples)
                 self.num_tokens += num_tokens
                 self._metrics.generated(1, num_tokens)
+
+    async def _evaluate(self, entries: list[PromptEntry]) -> None:
+        """Generate and score evaluation prompts; each result goes to the evaluation queue with the prompt's ack
+        (buffer/evals.py), never to the rollout stream."""
+        assert self._evals is not None and self._task is not None
+        by_params: dict[tuple[Sampling, bool], list[PromptEntry]] = defaultdict(list)
+        for e in entries:
+            by_params[(self._sampling(e), bool(e.spec.metadata.get(GREEDY_KEY)))].append(e)
+        for (sp, greedy), group in by_params.items():
+            params = SamplingParams(n=sp.n, max_new_tokens=sp.max_new_tokens, temperature=0.0 if greedy else sp.temperature,
+                                    top_p=sp.top_p, top_k=sp.top_k, mask_special_tokens=sp.mask_special_tokens)  # fmt: skip
+            gen = asyncio.ensure_future(self._generate(group, params))
+            abort = asyncio.ensure_future(self._abort_event.wait())
+            done, _ = await asyncio.wait({gen, abort}, return_when=asyncio.FIRST_COMPLETED)
+            if gen not in done:
+                gen.cancel()
+                await asyncio.gather(gen, return_exceptions=True)
+                return  # held evaluation prompts are released by close()
+            abort.cancel()
+            for entry, samples in zip(group, gen.result(), strict=True):  # scored by _generate (episodes too)
+                meta = entry.spec.metadata
+                versions = [int(v) for s in samples for v in np.asarray(s.versions).tolist()] or [-1]
+                result = EvalResult(
+                    prompt_id=entry.spec.prompt_id, round=int(meta.get(ROUND_KEY, entry.issued_version)),
+                    label=str(meta.get("dataset") or meta.get("task") or self._task.name),
+                    rewards=[float(s.reward) for s in samples],
+                    info={k: [float(s.reward_info.get(k, 0.0)) for s in samples] for k in samples[0].reward_info},
+                    min_version=min(versions), max_version=max(versions), generator_id=self.cfg.generator_id,
+                )  # fmt: skip
+                await asyncio.shield(self._evals.finish(entry, result))
+                self._held_evals = [h for h in self._held_evals if h.entry_id != entry.entry_id]
 
     def _sampling(self, entry: PromptEntry) -> Sampling:
         """Sampling of a prompt: the learner's (carried in the prompt record), else this generator's own."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from actors.learner.evaluation import EvalConfig
 from actors.learner.lr_schedule import LR_SCHEDULES, LrSchedule
 from actors.learner.megatron.config import MegatronConfig
 from async_rl.algorithms import AlgorithmConfig
@@ -182,6 +183,8 @@ class LearnerConfig:
     """Thresholds of the scaling signal the learner publishes for autoscalers (async_rl/scaling.py)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint cadence and resume."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation on the task's held-out prompts every ``eval.interval_versions`` versions (actors/learner/evaluation.py)."""
     publish_every: int = 1
     """Publish weights every this many steps."""
     max_steps: int = 0
@@ -218,6 +221,9 @@ class LearnerConfig:
             raise ValueError("learner.read_block_ms must be >= 1")
         if not 0 <= self.admission_lag_versions <= self.staleness.max_staleness:
             raise ValueError("learner.admission_lag_versions must be in [0, staleness.max_staleness]")
+        if self.eval.interval_versions and self.task.name == "jsonl" and not self.task.eval_jsonl_path:
+            raise ValueError("learner.eval.interval_versions needs held-out prompts: with task.name=jsonl set "
+                             "task.eval_jsonl_path")  # fmt: skip
         if self.algorithm.advantage.estimator in ("grpo", "rloo") and self.sampling.n < 2:
             raise ValueError(f"learner.sampling.n must be >= 2 for the {self.algorithm.advantage.estimator} "
                              "estimator (a group of one has zero advantage)")  # fmt: skip

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import signal
 import time
@@ -42,6 +43,7 @@ from actors.learner.backend import TrainingBackend
 from actors.learner.batching import make_micro_batches
 from actors.learner.checkpoint import CheckpointManager, LearnerState
 from actors.learner.config import LearnerConfig
+from actors.learner.evaluation import Evaluator
 from actors.learner.samples import build_samples
 from actors.learner.signals import LearnerSignals
 from async_rl.algorithms import make_loss_fn
@@ -60,6 +62,7 @@ from async_rl.weights.manifest import GPU_TRANSPORT
 from async_rl.weights.transport import make_transport
 from buffer.dead_letters import error_line
 from buffer.entry_checks import EntryChecker, ModelFacts
+from buffer.evals import EvalQueue
 from buffer.prompts import PromptQueue
 from buffer.rollouts import LEARNER_HOLD_FIELD, RolloutEntry, RolloutReader
 from buffer.staleness import StalenessPolicy
@@ -100,6 +103,8 @@ class Learner:
     _reader: RolloutReader | None
     _metrics: MetricsLogger | None
     _task: Task
+    _evals: Evaluator | None
+    """Evaluation rounds on held-out prompts (None while learner.eval.interval_versions is 0)."""
     _checkpoints: CheckpointManager
     _last_ckpt_s: float | None
     """Seconds the checkpoint written during this step took (None: none written), for the step's one line."""
@@ -125,6 +130,7 @@ class Learner:
         self._reader = None
         self._metrics = None
         self._task = build_task(cfg.task)
+        self._evals = None
         self._checkpoints = CheckpointManager(cfg.run.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self._last_ckpt_s = self._last_publish_s = None
         self._checker = None
@@ -221,6 +227,10 @@ class Learner:
             self.state.published_version = latest
             host.published_version = latest  # out already: the loop's final flush has nothing to send
         self._checker.max_version = max(self.state.version, self.state.published_version)
+        if cfg.eval.interval_versions:
+            self._evals = Evaluator(cfg.eval, self._task, EvalQueue(self._redis, names, cfg.prompts), self.state,
+                                    cfg.sampling)  # fmt: skip
+            await self._evals.maybe_issue(self.state.version)
 
     async def run(self) -> LearnerState:
         """Set up, then steps until stopped or done; on every path the resources close in reverse order of opening
@@ -374,6 +384,10 @@ class Learner:
             await self._publish(wait=bool(cfg.max_steps) and step >= cfg.max_steps)
         assert self._weights is not None
         committed = self._weights.take_records()
+        evaluated: dict[str, float] = {}
+        if self._evals is not None:  # a round due at this version goes out; the newest complete one is reported
+            await self._evals.maybe_issue(self.state.version, min_version=self._offered_version)
+            evaluated = await self._evals.collect()
         metrics: dict[str, Any] = {
             **{f"loss/{k}": v for k, v in result.metrics.items()},
             **{f"adv/{k}": v for k, v in adv_metrics.items()},
@@ -391,6 +405,7 @@ class Learner:
             **_publish_metrics(committed),
             **{f"buffer/{k}": v for k, v in counters.items()},
             **self._signals.fleet_metrics(),
+            **evaluated,
         }  # fmt: skip
         # Every component any sample reports (a sample without one counts 0: e.g. an episode that never opened).
         for key in dict.fromkeys(k for g in groups for s in g.samples for k in s.reward_info):
@@ -406,6 +421,7 @@ class Learner:
             "version": self.state.version, "step": self.state.step, "published_version": self.state.published_version,
             "versions_skipped": self._weights.versions_skipped,
             **{k.removeprefix("weights/"): round(v, 6) for k, v in _publish_metrics(committed).items()},
+            **({"eval": json.dumps(evaluated)} if evaluated else {}),  # the newest round, for async-rl status
         })  # fmt: skip
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)}
         with contextlib.suppress(Exception):  # progress events are informational

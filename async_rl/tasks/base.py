@@ -62,6 +62,11 @@ class Task(abc.ABC):
     def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
         """Score one response (token ids as generated, possibly ending in an end token)."""
 
+    def eval_prompt(self, index: int) -> PromptSpec:
+        """The ``index``-th prompt of the held-out split (evaluation; disjoint from the training stream).
+        Default: a task without one raises ValueError."""
+        raise ValueError(f"task {self.name!r} has no held-out split for evaluation")
+
     def prompts(self, start: int = 0) -> Iterator[PromptSpec]:
         """Prompts ``start, start + 1, ...`` (endless; a finite task cycles through reshuffled epochs)."""
         index = start

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from async_rl.envs.config import EnvConfig
 from async_rl.tasks.base import Task, load_reward_fn
@@ -11,7 +12,7 @@ from async_rl.tasks.toy import TOY_TASKS, ToyTask
 
 ENV_TASKS = ("tool_copy", "python_tool", "skyrl_gym", "verifiers")
 """Tasks whose prompts open episodes of several turns (:mod:`async_rl.envs`)."""
-TASK_NAMES = (*TOY_TASKS, "jsonl", *ENV_TASKS)
+TASK_NAMES = (*TOY_TASKS, "jsonl", "reasoning_gym", *ENV_TASKS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -19,10 +20,10 @@ class TaskConfig:
     """Which prompts to issue and how responses are rewarded."""
 
     name: str = "copy"
-    """copy | reverse | sort | add (built-in toy tasks), jsonl (prompts from ``jsonl_path``) or tool_copy (a toy
-    environment of two turns: call a tool, then copy what it returned), python_tool (questions answered with a
-    sandboxed Python tool, rows from ``jsonl_path``), skyrl_gym or verifiers (environments of those packages,
-    through their adapters; see docs/environments.md)."""
+    """copy | reverse | sort | add (built-in toy tasks), jsonl (prompts from ``jsonl_path``), reasoning_gym (a
+    reasoning-gym dataset, ``dataset``) or tool_copy (a toy environment of two turns: call a tool, then copy what it
+    returned), python_tool (questions answered with a sandboxed Python tool, rows from ``jsonl_path``), skyrl_gym or
+    verifiers (environments of those packages, through their adapters; see docs/environments.md)."""
     seed: int = 0
     """Seed of the prompt stream (prompt i depends only on seed and i)."""
     min_digits: int = 5
@@ -34,19 +35,29 @@ class TaskConfig:
     right prefix earns full credit whatever follows; see ``async_rl.tasks.base.positional_credit``)."""
     jsonl_path: str = ""
     """jsonl: the prompt file."""
+    eval_jsonl_path: str = ""
+    """jsonl: a file of held-out prompts for evaluation (learner.eval); the other tasks have a held-out split."""
     prompt_field: str = "prompt"
     """jsonl: field holding the prompt text."""
+    dataset: str = ""
+    """reasoning_gym: the dataset's name (``basic_arithmetic``, ``chain_sum``, ... any of reasoning-gym's)."""
+    dataset_config: dict[str, Any] = field(default_factory=dict)
+    """reasoning_gym: keyword arguments of the dataset's config (e.g. ``{min_terms = 2, max_terms = 2}``)."""
+    template: str = "{question}\n"
+    """reasoning_gym: the prompt text around the dataset's ``{question}``."""
     tokenizer: str = ""
-    """jsonl: tokenizer for prompt text, a preset or HF directory ('' = the toy char tokenizer)."""
+    """jsonl, reasoning_gym: tokenizer for prompt text, a preset or HF directory (jsonl: '' = the toy char
+    tokenizer; reasoning_gym needs one, e.g. a directory from ``async-rl init-model``)."""
     add_bos: bool = True
-    """jsonl: put the tokenizer's bos token in front of text prompts."""
+    """jsonl, reasoning_gym: put the tokenizer's bos token in front of text prompts."""
     shuffle: bool = True
     """jsonl: reshuffle every epoch (deterministically from seed and epoch)."""
     reward: str = ""
-    """'module:function' of a user's reward, or for jsonl a built-in (exact_match, positional); '' = default."""
+    """'module:function' of a user's reward, or for jsonl a built-in (exact_match, positional, math_verify);
+    '' = the task's own (reasoning_gym: the dataset's scorer)."""
     max_new_tokens: int = 0
-    """Response budget the generators use (0: the task's own, e.g. digits + 1 for copy; 32 for jsonl; per model
-    turn for environments, 128 for skyrl_gym and verifiers)."""
+    """Response budget the generators use (0: the task's own, e.g. digits + 1 for copy; 32 for jsonl and
+    reasoning_gym; per model turn for environments, 128 for skyrl_gym and verifiers)."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """skyrl_gym / verifiers: which environment, built with which arguments; python_tool: ``args`` are the
     sandbox's limits (``async_rl.envs.sandbox.SandboxConfig``)."""
@@ -63,6 +74,11 @@ class TaskConfig:
         if self.name == "verifiers" and not self.env.id:
             raise ValueError("task.env.id ('module:function' returning the vf.Environment) is required when "
                              "task.name is 'verifiers'")
+        if self.name == "reasoning_gym" and not self.dataset:
+            raise ValueError("task.dataset is required when task.name is 'reasoning_gym'")
+        if self.name == "reasoning_gym" and not self.tokenizer:
+            raise ValueError("task.tokenizer is required when task.name is 'reasoning_gym' (a model directory with "
+                             "a tokenizer, e.g. from 'async-rl init-model DIR')")  # fmt: skip
         builtin_ok = self.name == "jsonl" and self.reward in BUILTIN_REWARDS
         if self.reward and ":" not in self.reward and not builtin_ok:
             also = f" or one of {list(BUILTIN_REWARDS)}" if self.name == "jsonl" else ""
@@ -98,7 +114,17 @@ def build_task(config: TaskConfig) -> Task:
             add_bos=config.add_bos,
             shuffle=config.shuffle,
             max_new_tokens=config.max_new_tokens or 32,
+            eval_path=config.eval_jsonl_path or None,
         )
+    if config.name == "reasoning_gym":
+        from async_rl.models import load_tokenizer
+        from async_rl.tasks.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(
+            config.dataset, tokenizer=load_tokenizer(config.tokenizer), seed=config.seed,
+            dataset_config=config.dataset_config, template=config.template, add_bos=config.add_bos,
+            max_new_tokens=config.max_new_tokens or 32, reward_fn=reward_fn,
+        )  # fmt: skip
     task = ToyTask(
         config.name,
         seed=config.seed,

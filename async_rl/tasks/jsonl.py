@@ -7,7 +7,8 @@ once and checked line by line (errors name the line). Epochs are reshuffled dete
 from ``(seed, epoch)``.
 
 Built-in rewards compare the decoded response with the row's ``"answer"``: ``exact_match``
-(1.0 when equal after stripping whitespace) and ``positional`` (per-position partial credit).
+(1.0 when equal after stripping whitespace), ``positional`` (per-position partial credit) and ``math_verify``
+(1.0 when math-verify finds the response's final answer, LaTeX or plain, equal to ``"answer"``).
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ import numpy as np
 
 from async_rl import tokenizer as tt
 from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit
+from async_rl.tasks.text import decode_response, math_verify_score
 from async_rl.tasks.toy import response_text
 from async_rl.wire import PromptSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-BUILTIN_REWARDS = ("exact_match", "positional")
-"""Rewards a JSONL task can name without code; both need an ``"answer"`` field."""
+BUILTIN_REWARDS = ("exact_match", "positional", "math_verify")
+"""Rewards a JSONL task can name without code; all need an ``"answer"`` field (``math_verify``: the
+math-verify package, mathematical equality of the response's answer and the row's)."""
 
 
 class JsonlTask(Task):
@@ -40,6 +43,8 @@ class JsonlTask(Task):
     shuffle: bool
     rows: list[tuple[str, np.ndarray, dict[str, Any]]]
     """(row id, prompt ids, metadata) per line."""
+    eval_rows: list[tuple[str, np.ndarray, dict[str, Any]]]
+    """The same, of the held-out file (``task.eval_jsonl_path``; empty without one)."""
 
     def __init__(
         self,
@@ -53,7 +58,9 @@ class JsonlTask(Task):
         add_bos: bool = True,
         shuffle: bool = True,
         max_new_tokens: int = 32,
+        eval_path: str | Path | None = None,
     ) -> None:
+        """``eval_path``: a second JSONL file of the same form, the held-out split (:meth:`eval_prompt`)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise ValueError(f"task.jsonl_path {str(self.path)!r} is not a file")
@@ -68,7 +75,6 @@ class JsonlTask(Task):
         self._tokenizer = tokenizer
         self._max_new_tokens = max_new_tokens
         bos = tt.BOS_ID if tokenizer is None else tokenizer.bos_token_id
-        self._eos = tt.EOS_ID if tokenizer is None else tokenizer.eos_token_id
         self.rows = []
         with self.path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
@@ -76,6 +82,19 @@ class JsonlTask(Task):
                     self.rows.append(self._parse(line, lineno, prompt_field, bos if add_bos else None))
         if not self.rows:
             raise ValueError(f"task.jsonl_path {str(self.path)!r} has no prompts")
+        self.eval_rows = []
+        if eval_path is not None:
+            held_out = Path(eval_path)
+            if not held_out.is_file():
+                raise ValueError(f"task.eval_jsonl_path {str(held_out)!r} is not a file")
+            main_path, self.path = self.path, held_out  # _parse names the file it reads
+            with held_out.open(encoding="utf-8") as f:
+                for lineno, line in enumerate(f, start=1):
+                    if line.strip():
+                        self.eval_rows.append(self._parse(line, lineno, prompt_field, bos if add_bos else None))
+            self.path = main_path
+            if not self.eval_rows:
+                raise ValueError(f"task.eval_jsonl_path {str(held_out)!r} has no prompts")
         if reward_fn is None and any("answer" not in meta for _, _, meta in self.rows):
             missing = next(i for i, (_, _, meta) in enumerate(self.rows) if "answer" not in meta)
             raise ValueError(f"{self.path}: reward {reward!r} needs an 'answer' field; row {missing + 1} has none")
@@ -130,14 +149,20 @@ class JsonlTask(Task):
         _, ids, meta = self.rows[pos]
         return PromptSpec(prompt_id=f"jsonl-{self.seed}-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
 
+    def eval_prompt(self, index: int) -> PromptSpec:
+        """Held-out row ``index`` (cycling through ``task.eval_jsonl_path`` in file order)."""
+        if not self.eval_rows:
+            raise ValueError("task 'jsonl' has no held-out split: set task.eval_jsonl_path")
+        if index < 0:
+            raise ValueError(f"eval prompt index must be >= 0, got {index}")
+        _, ids, meta = self.eval_rows[index % len(self.eval_rows)]
+        return PromptSpec(prompt_id=f"jsonl-eval-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
+
     def decode(self, response_ids: np.ndarray) -> str:
         """Response text cut at the first end token."""
         if self._tokenizer is None:
             return response_text(response_ids)
-        ids = np.asarray(response_ids).tolist()
-        if self._eos is not None and self._eos in ids:
-            ids = ids[: ids.index(self._eos)]
-        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+        return decode_response(self._tokenizer, response_ids)
 
     def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
         text = self.decode(response_ids)
@@ -147,6 +172,8 @@ class JsonlTask(Task):
         if answer is None:
             raise ValueError(f"prompt metadata has no 'answer' for reward {self._reward!r}: {dict(metadata)}")
         answer = str(answer)
+        if self._reward == "math_verify":
+            return math_verify_score(text, answer)
         if self._reward == "exact_match":
             return Score(reward=float(text.strip() == answer.strip()))
         return positional_credit(text.strip(), answer.strip(), strict_length=True)

@@ -100,7 +100,15 @@ class ToyTask(Task):
     def prompt(self, index: int) -> PromptSpec:
         if index < 0:
             raise ValueError(f"prompt index must be >= 0, got {index}")
-        rng = np.random.default_rng([self.seed, index])
+        return self._make(np.random.default_rng([self.seed, index]), f"{self.name}-{self.seed}-{index}", index)
+
+    def eval_prompt(self, index: int) -> PromptSpec:
+        """Held-out prompt ``index``: drawn from the seed sequence ``[seed, index, 1]``, a stream of its own."""
+        if index < 0:
+            raise ValueError(f"eval prompt index must be >= 0, got {index}")
+        return self._make(np.random.default_rng([self.seed, index, 1]), f"{self.name}-{self.seed}-eval-{index}", index)
+
+    def _make(self, rng: np.random.Generator, prompt_id: str, index: int) -> PromptSpec:
         n = int(rng.integers(self.min_digits, self.max_digits + 1))
         if self.name == "add":
             lo = 0 if n == 1 else 10 ** (n - 1)
@@ -112,7 +120,7 @@ class ToyTask(Task):
             target = {"copy": digits, "reverse": digits[::-1], "sort": "".join(sorted(digits))}[self.name]
         ids = np.array([tt.BOS_ID, *tt.encode(text)], dtype=np.int32)
         return PromptSpec(
-            prompt_id=f"{self.name}-{self.seed}-{index}",
+            prompt_id=prompt_id,
             prompt_ids=ids,
             metadata={"task": self.name, "index": index, "prompt": text, "target": target},
         )

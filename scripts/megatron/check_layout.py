@@ -11,7 +11,8 @@ activation recompute and router replay. With the same seeded weights and batch o
   (every row replayed), within ``--tol`` on a padded one (pad rows get dummy experts under replay);
 * ``losses``: three optimizer steps (NLL, two micro-batches, replay on), losses and gradient norms;
 * ``export``: weights exported in HF names, reloaded into a fresh transformers model, logprobs
-  through the torch backend compared with the layout's own;
+  through the torch backend compared with the layout's own; the layout's checkpoint (every rank's file and
+  layout), read back on the host as ``async-rl export`` does, equals that export bit for bit;
 * timing: step time and tokens/s of further steps (bf16 is not used: these are correctness runs).
 
 ``--save-ref PATH`` (single GPU) writes the reference; ``--ref PATH`` compares against it within
@@ -109,6 +110,18 @@ def main() -> int:
     res["grad_norms"] = [s.grad_norm for s in steps]
     after = meg.forward_logprobs(mb, replay_routes=True).logprobs
     exported = dict(meg.export_weights())
+    # The checkpoint of this layout, read back on the host as `async-rl export` does: the same bits as the export.
+    # (torchrun's run id: the same on every rank, new for every run; follow mode: followers take rank 0's path)
+    ckpt = Path(os.environ.get("TMPDIR", "/tmp")) / f"layout-ckpt-{args.name}-{os.environ.get('TORCHELASTIC_RUN_ID')}"
+    meg.save(ckpt)
+    if rank == 0:
+        from actors.learner.megatron.checkpoint_reader import read_global_weights
+        from actors.learner.megatron.convert import mcore_to_hf
+
+        back = mcore_to_hf(read_global_weights(ckpt, meg.arch), meg.arch,
+                           fused_experts=mcfg.fused_experts_export)  # fmt: skip
+        res["checkpoint_export_equal"] = sorted(back) == sorted(exported) and all(
+            back[k].dtype == v.dtype and torch.equal(back[k].cpu(), v) for k, v in exported.items())  # fmt: skip
     if rank == 0:
         from transformers import Qwen3MoeForCausalLM
 
@@ -133,7 +146,8 @@ def main() -> int:
             torch.save(tensors, args.save_ref)
         checks = {"recorded_replay_exact": res["recorded_replay_unpadded_max_abs_diff"] == 0.0,
                   "recorded_replay_padded": res["recorded_replay_max_abs_diff"] < args.tol,
-                  "export_reload": res["export_reload_max_abs_diff"] < args.tol}  # fmt: skip
+                  "export_reload": res["export_reload_max_abs_diff"] < args.tol,
+                  "checkpoint_export": res["checkpoint_export_equal"]}  # fmt: skip
         if args.ref is not None:
             ref = torch.load(args.ref)
             m = mb.attention_mask.clone()

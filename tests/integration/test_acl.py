@@ -23,6 +23,7 @@ from async_rl.weights.redis_transport import RedisTransport
 from async_rl.wire import PromptSpec
 from buffer.audit import audit_run
 from buffer.entry_checks import EntryChecker, ModelFacts
+from buffer.evals import EvalQueue, EvalResult
 from buffer.prompts import PromptQueue, PromptQueueConfig
 from buffer.rollouts import RolloutReader, RolloutWriter, RolloutWriterConfig
 from buffer.stats import buffer_stats
@@ -79,6 +80,12 @@ async def test_each_role_runs_its_code_paths_and_nothing_more(locked: tuple[Name
             await (large if i == 2 else small).append(rec)
         assert await q.ack(got[:3]) == 3
         assert await q.release(got[3:]) == 1
+        # Evaluation: the learner issues a round; the generator scores it (result, ack and fate in one transaction).
+        await EvalQueue(learner, names).issue([PromptSpec("e0@v0", np.array([1, 2], dtype=np.int32))], version=0)
+        evals = EvalQueue(gen, names)
+        (entry,) = await evals.read("gen-a", 10)
+        await evals.finish(entry, EvalResult(prompt_id="e0@v0", round=0, label="copy", rewards=[1.0]))
+        assert [r.prompt_id for r in (await EvalQueue(learner, names).results("0-0"))[0]] == ["e0@v0"]
         gen_reader = WeightReader(gen, RedisTransport(urls["generator"], names), names)
         fetched = await gen_reader.fetch()
         assert torch.equal(fetched.tensors["w"], weights["w"])

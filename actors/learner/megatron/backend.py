@@ -41,6 +41,7 @@ import torch
 
 from actors.learner.backend import TrainingBackend
 from actors.learner.megatron import replay
+from actors.learner.megatron.checkpoint_reader import write_rank_layout
 from actors.learner.megatron.config import MegatronConfig
 from actors.learner.megatron.convert import (
     ModelArch,
@@ -750,6 +751,9 @@ class MegatronBackend(TrainingBackend):
         rank = torch.distributed.get_rank()
         torch.save({"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict()},
                    directory / f"megatron_rank{rank:05d}.pt")  # fmt: skip
+        # The rank's place in the layout beside its slices: async-rl export joins every rank's on the host.
+        write_rank_layout(directory, rank, self.naming, tp_rank=self.tp_rank, tp_size=self.cfg.tensor_parallel,
+                          etp_rank=self.etp_rank, etp_size=self.etp_size)  # fmt: skip
         torch.distributed.barrier()
 
     def load(self, directory: Path) -> None:

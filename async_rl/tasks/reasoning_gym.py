@@ -1,0 +1,116 @@
+"""Any dataset of reasoning-gym (procedurally generated reasoning tasks with their own scorers) as a task.
+
+``task.name=reasoning_gym task.dataset=basic_arithmetic task.tokenizer=<model dir>``: the prompts are the
+dataset's questions (``task.template``, default ``"{question}\\n"``) and each response is scored by the dataset's
+own ``score_answer`` (reward in [0, 1]; component ``correct``: the reward is 1). The answer is the text inside
+the last ``<answer>...</answer>`` when the response has one, else the whole response, stripped.
+
+Nothing is downloaded: reasoning-gym builds entry ``i`` from ``Random(seed + i)``. Training prompt ``k`` is entry
+``k mod 2**30``; held-out prompt ``j`` (evaluation, :meth:`ReasoningGymTask.eval_prompt`) is entry
+``2**30 + j``: the two splits use disjoint seeds. Only the entry's index travels in the prompt's metadata; the
+generator rebuilds the entry (question, answer, the scorer's metadata) from it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn
+from async_rl.tasks.text import decode_response, encode_prompt
+from async_rl.wire import PromptSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+HELD_OUT_START = 2**30
+"""First entry of the held-out split: training uses entries below it, evaluation entries from it on."""
+
+
+@functools.cache
+def dataset_names() -> tuple[str, ...]:
+    """Every dataset reasoning-gym registers (ValueError when the package is not installed)."""
+    try:
+        import reasoning_gym
+    except ImportError as exc:
+        raise ValueError("task.name=reasoning_gym needs the reasoning-gym package: pip install 'async-rl[tasks]'") from exc
+    return tuple(sorted(reasoning_gym.factory.DATASETS))
+
+
+class ReasoningGymTask(Task):
+    """One reasoning-gym dataset (see the module docstring)."""
+
+    name = "reasoning_gym"
+    dataset: str
+    seed: int
+    template: str
+    _data: Any
+    _tokenizer: PreTrainedTokenizerBase
+    _add_bos: bool
+    _max_new_tokens: int
+    _reward_fn: RewardFn | None
+
+    def __init__(self, dataset: str, *, tokenizer: PreTrainedTokenizerBase, seed: int = 0,
+                 dataset_config: Mapping[str, Any] | None = None, template: str = "{question}\n", add_bos: bool = True,
+                 max_new_tokens: int = 32, reward_fn: RewardFn | None = None) -> None:  # fmt: skip
+        if dataset not in dataset_names():
+            raise ValueError(f"task.dataset {dataset!r} is not a reasoning-gym dataset; some of the "
+                             f"{len(dataset_names())}: {', '.join(dataset_names()[:12])}, ...")  # fmt: skip
+        if "{question}" not in template:
+            raise ValueError(f"task.template must contain '{{question}}', got {template!r}")
+        if max_new_tokens < 1:
+            raise ValueError("task.max_new_tokens must be >= 1")
+        import reasoning_gym
+
+        try:
+            self._data = reasoning_gym.create_dataset(dataset, seed=seed, size=2 * HELD_OUT_START,
+                                                      **dict(dataset_config or {}))  # fmt: skip
+        except (TypeError, ValueError, AssertionError) as exc:
+            raise ValueError(f"task.dataset_config {dict(dataset_config or {})} for {dataset!r}: {exc}") from exc
+        self.dataset, self.seed, self.template = dataset, seed, template
+        self._tokenizer, self._add_bos = tokenizer, add_bos
+        self._max_new_tokens, self._reward_fn = max_new_tokens, reward_fn
+
+    @property
+    def num_prompts(self) -> int | None:
+        return None
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self._max_new_tokens
+
+    def _spec(self, entry_index: int, prompt_id: str) -> PromptSpec:
+        entry = self._data[entry_index]
+        text = self.template.format(question=entry["question"])
+        return PromptSpec(
+            prompt_id=prompt_id, prompt_ids=encode_prompt(self._tokenizer, text, add_bos=self._add_bos),
+            metadata={"task": self.name, "dataset": self.dataset, "entry": entry_index, "prompt": text},
+        )  # fmt: skip
+
+    def prompt(self, index: int) -> PromptSpec:
+        if index < 0:
+            raise ValueError(f"prompt index must be >= 0, got {index}")
+        return self._spec(index % HELD_OUT_START, f"rg-{self.dataset}-{self.seed}-{index}")
+
+    def eval_prompt(self, index: int) -> PromptSpec:
+        if index < 0:
+            raise ValueError(f"eval prompt index must be >= 0, got {index}")
+        return self._spec(HELD_OUT_START + index, f"rg-{self.dataset}-{self.seed}-eval-{index}")
+
+    def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
+        entry_index = metadata.get("entry")
+        if not isinstance(entry_index, int) or not 0 <= entry_index < 2 * HELD_OUT_START:
+            raise ValueError(f"prompt metadata for reasoning_gym has no valid 'entry' index: {dict(metadata)}")
+        if metadata.get("dataset") != self.dataset:
+            raise ValueError(f"prompt of dataset {metadata.get('dataset')!r} scored by task.dataset {self.dataset!r}")
+        text = decode_response(self._tokenizer, response_ids)
+        if self._reward_fn is not None:
+            return call_reward_fn(self._reward_fn, text, metadata)
+        from reasoning_gym.utils import extract_answer
+
+        answer = extract_answer(text) if "<answer>" in text else text.strip()
+        reward = float(self._data.score_answer(answer=answer, entry=self._data[entry_index]))
+        return Score(reward=reward, info={"correct": float(reward >= 1.0)})
