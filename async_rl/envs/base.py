@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from async_rl.tasks.base import Score, Task
+from async_rl.tasks.base import Score, Task, row_of
 from async_rl.wire import PromptSpec
 
 
@@ -84,11 +84,7 @@ class RowsEnvTask(EnvTask):
         return self._max_new_tokens
 
     def prompt(self, index: int) -> PromptSpec:
-        if index < 0:
-            raise ValueError(f"prompt index must be >= 0, got {index}")
-        epoch, pos = divmod(index, len(self.rows))
-        if self.shuffle:
-            pos = int(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))[pos])
+        pos = row_of(index, len(self.rows), self.seed, self.shuffle)
         ids, meta = self.rows[pos]
         return PromptSpec(prompt_id=f"{self.name}-{self.seed}-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
 

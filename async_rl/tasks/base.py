@@ -75,6 +75,17 @@ class Task(abc.ABC):
             index += 1
 
 
+def row_of(index: int, num_rows: int, seed: int, shuffle: bool) -> int:
+    """Which of ``num_rows`` rows prompt ``index`` asks: epoch after epoch over the rows, each epoch in an order drawn
+    from ``(seed, epoch)`` when ``shuffle`` (so the stream resumes by index alone)."""
+    if index < 0:
+        raise ValueError(f"prompt index must be >= 0, got {index}")
+    epoch, pos = divmod(index, num_rows)
+    if shuffle:
+        pos = int(np.random.default_rng([seed, epoch]).permutation(num_rows)[pos])
+    return pos
+
+
 def load_reward_fn(spec: str) -> RewardFn:
     """Import ``module:function`` (``module`` importable from ``sys.path``); ValueError saying what is wrong."""
     module_name, sep, attr = spec.partition(":")

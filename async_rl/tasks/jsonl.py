@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from async_rl import tokenizer as tt
-from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit
+from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit, row_of
 from async_rl.tasks.text import decode_response, math_verify_score
 from async_rl.tasks.toy import response_text
 from async_rl.wire import PromptSpec
@@ -141,11 +141,7 @@ class JsonlTask(Task):
         return self._max_new_tokens
 
     def prompt(self, index: int) -> PromptSpec:
-        if index < 0:
-            raise ValueError(f"prompt index must be >= 0, got {index}")
-        epoch, pos = divmod(index, len(self.rows))
-        if self.shuffle:
-            pos = int(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))[pos])
+        pos = row_of(index, len(self.rows), self.seed, self.shuffle)
         _, ids, meta = self.rows[pos]
         return PromptSpec(prompt_id=f"jsonl-{self.seed}-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
 

@@ -42,7 +42,7 @@ from async_rl.weights.config import PublisherConfig
 from async_rl.weights.cuda_ipc import fast_thread_handoffs, host_key
 from async_rl.weights.gpu_slots import GpuExport, GpuFill, GpuSlots
 from async_rl.weights.manifest import DTYPES, GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
-from async_rl.weights.publisher import PublishStats
+from async_rl.weights.publisher import RETIRE_LUA, PublishStats
 from async_rl.weights.signing import run_secret
 
 log = logging.getLogger(__name__)
@@ -54,15 +54,6 @@ _COMMIT_LUA = """
 redis.call('SET', KEYS[1], ARGV[1])
 local cur = redis.call('GET', KEYS[2])
 if (not cur) or tonumber(cur) < tonumber(ARGV[2]) then redis.call('SET', KEYS[2], ARGV[2]) end
-return 1
-"""
-# KEYS: manifest, readers. Deletes the manifest (no new lease) only when no lease is live; 1 when the slot is free.
-_RETIRE_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if redis.call('ZCARD', KEYS[2]) > 0 then return 0 end
-redis.call('DEL', KEYS[1], KEYS[2])
 return 1
 """
 
@@ -159,7 +150,7 @@ class GpuPublisher:
             old = self.slot_version[slot]
             if old >= 0:
                 n = self.names
-                free = await self.redis.eval(_RETIRE_LUA, 2, n.weights_gpu_manifest(old), n.weights_gpu_readers(old))
+                free = await self.redis.eval(RETIRE_LUA, 2, n.weights_gpu_manifest(old), n.weights_gpu_readers(old))
                 if not free:
                     continue
                 self.slot_version[slot] = -1

@@ -66,8 +66,9 @@ local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
 if tonumber(ARGV[2]) > cur then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 return 1
 """
-# KEYS: manifest, readers, retiring; ARGV: version. Deletes the manifest only when no lease is live.
-_RETIRE_LUA = """
+# KEYS: manifest, readers. Deletes the manifest (no new lease can be taken) only when no lease is live; 1 when it did.
+# The GPU path retires a slot's version with it too (async_rl/weights/gpu_publisher.py).
+RETIRE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
@@ -374,9 +375,7 @@ class WeightPublisher:
         deleted = []
         for raw_version, raw_count in (await self.redis.hgetall(n.weights_retiring)).items():
             version = int(raw_version)
-            ok = await self.redis.eval(
-                _RETIRE_LUA, 3, n.weights_manifest(version), n.weights_readers(version), n.weights_retiring, version
-            )
+            ok = await self.redis.eval(RETIRE_LUA, 2, n.weights_manifest(version), n.weights_readers(version))
             if ok:
                 # The manifest is gone, so no new lease can be taken: the buckets are safe to delete.
                 await self.transport.delete(version, int(raw_count))
