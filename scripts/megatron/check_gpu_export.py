@@ -4,7 +4,7 @@
 
 A toy Qwen3-MoE (8 experts, the first layer dense) in bfloat16 under the given layout, leader and followers as the
 learner runs them. Rank 0 publishes versions through the GPU path with every rank filling its own slots
-(``MegatronBackend.gpu_export``: no gather), a reader process (``tests/gpu/ipc_reader.py``) maps every rank's
+(``MegatronWeights.gpu_export``: no gather), a reader process (``tests/gpu/ipc_reader.py``) maps every rank's
 buffers over CUDA IPC, checks the checksums and assembles the tensors on its GPU; they must equal the gathered
 export (``export_weights``) bit for bit, before and after optimizer steps. Exit code 0 when every check holds.
 """

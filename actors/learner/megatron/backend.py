@@ -27,11 +27,9 @@ multiple of ``2*CP`` (and TP under sequence parallelism).
 
 from __future__ import annotations
 
-import logging
 import math
-import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -39,23 +37,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.learner.backend import TrainingBackend
 from actors.learner.megatron import replay
 from actors.learner.megatron.checkpoint_reader import write_rank_layout
 from actors.learner.megatron.config import MegatronConfig
-from actors.learner.megatron.convert import (
-    ModelArch,
-    RankNaming,
-    global_name,
-    hf_to_mcore,
-    local_state,
-    mcore_to_hf,
-    tp_kind,
-    unshard,
-)
+from actors.learner.megatron.convert import ModelArch, RankNaming, hf_to_mcore, local_state
 from actors.learner.megatron.launch import init_distributed
 from actors.learner.megatron.logits import CPGather, token_stats
-from actors.learner.megatron.rank_export import rank_pieces
 from actors.learner.megatron.routes import (
     PipelineSplit,
     TokenSplit,
@@ -64,15 +51,11 @@ from actors.learner.megatron.routes import (
     scatter_recorded,
 )
 from actors.learner.megatron.spec import decoder_block_spec
+from actors.learner.megatron.weights import STACKED, MegatronWeights
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 from async_rl.moe import route_dtype
 from async_rl.token_mask import mask_logits
-from async_rl.weights.config import PublisherConfig
-from async_rl.weights.gpu_ranks import DistributedGpuSlots
-from async_rl.weights.gpu_slots import GpuExport, GpuFill
-
-log = logging.getLogger(__name__)
 
 
 def _te_available() -> bool:
@@ -103,7 +86,7 @@ class _Item:
     """Per-router ``[rows, top_k]`` indices to replay, or None (free routing)."""
 
 
-class MegatronBackend(TrainingBackend):
+class MegatronBackend(MegatronWeights):
     """A megatron-core GPTModel built from a Hugging Face config, with optimizer and router replay."""
 
     name = "megatron"
@@ -121,9 +104,6 @@ class MegatronBackend(TrainingBackend):
     pad_token_id: int | None
     """The HF config's pad token: its word-embedding row gets no gradient (HF's padding_idx semantics)."""
     _masked_ids: torch.Tensor
-    _gpu_slots: DistributedGpuSlots | None
-    """This rank's GPU slots of its own pieces (several ranks, the GPU weight path; :mod:`.gpu_export`)."""
-    _gpu_cfg: PublisherConfig | None
     """``cfg.masked_token_ids`` on the device (the generators' sampling mask, applied to vocab-parallel logits)."""
 
     def __init__(self, cfg: MegatronConfig, hf_config: object, hf_state_dict: Mapping[str, torch.Tensor] | None = None,
@@ -275,7 +255,7 @@ class MegatronBackend(TrainingBackend):
                                                  self.tp_rank, self.cfg.tensor_parallel)  # fmt: skip
         params = dict(self.gpt.named_parameters())
         for name in params:
-            if (m := _STACKED.match(name)) is not None:  # grouped experts: stack the per-expert tensors
+            if (m := STACKED.match(name)) is not None:  # grouped experts: stack the per-expert tensors
                 prefix, which = m.group(1), m.group(2)
                 fc = "linear_fc1" if which == "1" else "linear_fc2"
                 n = params[name].shape[0]
@@ -639,109 +619,6 @@ class MegatronBackend(TrainingBackend):
             raise RuntimeError("some positions/layers were recorded by no rank")
         return out
 
-    # ------------------------------------------------------------------------------------------ weights
-
-    @torch.no_grad()
-    def export_global(self, *, on_device: bool = False) -> dict[str, torch.Tensor] | None:
-        """Global megatron state dict (CPU, model dtype) on the main rank, None elsewhere. Rebuilt on every call.
-        ``on_device`` (one rank only): the tensors stay on the GPU (views of the parameters where no gather is due)."""
-        from megatron.core import parallel_state as ps
-
-        world = torch.distributed.get_world_size()
-        if on_device and world != 1:
-            raise ValueError("export_global(on_device=True) is for one rank: several gather to rank 0's host")
-        pieces: dict[str, torch.Tensor] = {}
-        for name, p in _expand_stacked(self.gpt.named_parameters()):
-            g = global_name(name, self.naming, self.arch.moe_layers)
-            if g is None:
-                continue
-            if g == "output_layer.weight" and self.arch.tie_embeddings:
-                continue
-            expert = ".mlp.experts." in g
-            group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
-            size = self.etp_size if expert else self.cfg.tensor_parallel
-            t = p.detach()
-            if size > 1 and tp_kind(g) != "replicated":
-                parts = [torch.empty_like(t) for _ in range(size)]
-                torch.distributed.all_gather(parts, t.contiguous(), group=group)
-                t = unshard(g, parts)
-            pieces[g] = t if on_device else t.cpu()
-        keep = self.tp_rank == 0 and self.cp_rank == 0 and self.etp_rank == 0
-        send = pieces if keep else None
-        if world == 1:
-            return pieces
-        box: list | None = [None] * world if self.is_main_rank else None
-        torch.distributed.gather_object(send, box, dst=0)
-        if not self.is_main_rank:
-            return None
-        merged: dict[str, torch.Tensor] = {}
-        for part in box or []:
-            for k, v in (part or {}).items():
-                merged.setdefault(k, v)
-        return merged
-
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named weights (main rank; others yield nothing). Conversion rebuilt on every call."""
-        return self._export_weights(**self._command("export_weights", {}))
-
-    def _export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        glob = self.export_global()
-        if glob is None:
-            return iter(())
-        hf = mcore_to_hf(glob, self.arch, fused_experts=self.cfg.fused_experts_export)
-        return iter(sorted(hf.items()))
-
-    def gpu_export(self, cfg: PublisherConfig) -> GpuExport | None:
-        """One rank: GPU slots filled from the converted weights. Several: every rank's own slots of its own pieces
-        (:mod:`.gpu_export`), filled by one command."""
-        if torch.distributed.get_world_size() == 1:
-            return super().gpu_export(cfg)
-        if self.arch.num_experts and self.cfg.fused_experts_export and self.etp_size > 1:
-            # rank_export cannot cut transformers' fused expert tensors by expert tensor parallelism.
-            log.warning("weights: no GPU path with expert_tensor_parallel=%d and fused expert names; set "
-                        "learner.megatron.expert_tensor_parallel=1 or learner.megatron.fused_experts_export=false "
-                        "(per-expert names) for it. Versions are gathered to rank 0 instead", self.etp_size)  # fmt: skip
-            return None
-        from actors.learner.megatron.gpu_export import MegatronGpuExport, rank_slots
-
-        self._gpu_cfg = cfg
-        self._gpu_slots = rank_slots(cfg)
-        return MegatronGpuExport(self, self._gpu_slots)
-
-    def gpu_fill(self, slot: int, version: int) -> GpuFill:
-        """Every rank copies its own pieces into GPU slot ``slot`` as ``version``; rank 0's fill (with every rank's
-        checksums on their way to its host memory)."""
-        return self._gpu_fill(**self._command("gpu_fill", {"slot": slot, "version": version, "cfg": self._gpu_cfg}))
-
-    def _gpu_fill(self, slot: int, version: int, cfg: PublisherConfig) -> GpuFill:
-        from megatron.core import parallel_state as ps
-
-        if self._gpu_slots is None:  # a follower's first fill
-            from actors.learner.megatron.gpu_export import rank_slots
-
-            self._gpu_slots = rank_slots(cfg)
-        local = {name: p.detach() for name, p in _expand_stacked(self.gpt.named_parameters())}
-        pieces = rank_pieces(local, self.naming, self.arch, tp_rank=self.tp_rank, tp_size=self.cfg.tensor_parallel,
-                             etp_rank=self.etp_rank, etp_size=self.etp_size, dense=self.dp_rank == 0 and self.cp_rank == 0,
-                             experts=ps.get_expert_data_parallel_rank() == 0,
-                             fused_experts=self.cfg.fused_experts_export)  # fmt: skip
-        return self._gpu_slots.fill(slot, version, pieces)
-
-    @property
-    def publish_device(self) -> str:
-        """One rank: its GPU (the HF weights are converted there). Several: the gathered export is on the host."""
-        return f"cuda:{torch.cuda.current_device()}" if torch.distributed.get_world_size() == 1 else "cpu"
-
-    def snapshot_source(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """One rank: the HF-named weights converted on the GPU (no host copy, no sync here), for the learner's pinned
-        snapshot (a side stream copies them while the next step trains). Several ranks: the gathered export."""
-        if torch.distributed.get_world_size() != 1:
-            return self.export_weights()
-        glob = self.export_global(on_device=True)
-        assert glob is not None
-        hf = mcore_to_hf(glob, self.arch, fused_experts=self.cfg.fused_experts_export)
-        return iter(sorted(hf.items()))
-
     def save(self, directory: Path) -> None:
         self._save(**self._command("save", {"directory": Path(directory)}))
 
@@ -784,22 +661,6 @@ class MegatronBackend(TrainingBackend):
 
 _FOLLOWED = ("forward_logprobs", "train_step", "record_routes", "export_weights", "gpu_fill", "save", "load", "close")
 """Methods the main rank drives on followers (each has a ``_name`` implementation taking the payload)."""
-
-
-_STACKED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])$")
-"""Stacked expert weights of the grouped experts module (see :mod:`actors.learner.megatron.spec`)."""
-
-
-def _expand_stacked(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters with each stacked expert weight split into per-expert ``local_experts.{e}`` names."""
-    for name, p in named:
-        m = _STACKED.match(name)
-        if m is None:
-            yield name, p
-            continue
-        fc = "linear_fc1" if m.group(2) == "1" else "linear_fc2"
-        for e in range(p.shape[0]):
-            yield f"{m.group(1)}local_experts.{e}.{fc}.weight", p[e]
 
 
 class _null:

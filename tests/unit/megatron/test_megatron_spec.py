@@ -7,9 +7,9 @@ import functools
 
 import torch
 
-from actors.learner.megatron.backend import _expand_stacked
 from actors.learner.megatron.convert import RankNaming, global_name
 from actors.learner.megatron.spec import _swap
+from actors.learner.megatron.weights import expand_stacked
 
 
 class SequentialMLP:  # stands in for megatron's class of the same name (matched by name)
@@ -57,7 +57,7 @@ def test_stacked_expert_weights_expand_to_global_expert_names() -> None:
              ("decoder.layers.0.mlp.router.weight", torch.zeros(4, 4))]  # fmt: skip
     naming = RankNaming(layer_offset=3, num_local_layers=2, expert_offset=2, num_local_experts=2)
     moe = (True,) * 5
-    out = {global_name(n, naming, moe): t for n, t in _expand_stacked(iter(named))}
+    out = {global_name(n, naming, moe): t for n, t in expand_stacked(iter(named))}
     assert sorted(out) == [
         "decoder.layers.3.mlp.experts.2.linear_fc1.weight", "decoder.layers.3.mlp.experts.2.linear_fc2.weight",
         "decoder.layers.3.mlp.experts.3.linear_fc1.weight", "decoder.layers.3.mlp.experts.3.linear_fc2.weight",
