@@ -10,6 +10,10 @@ received, every bucket checksum-verified by the reader, and every tensor hashed 
 own digests. Modes: ``redis`` (buckets in the one Valkey), ``direct`` (``peer://``, every generator pulls from
 the publisher), ``relay`` (``peer://``, the publisher feeds ``--publisher-fanout`` peers and each generator
 ``--fanout`` more). Bytes sent per host are the ``tx`` counters of its link (headers included).
+Per round, ``cpu_busy`` is the whole machine's busy share (other work included), ``workers_cpu_s`` the CPU
+seconds of the publisher and generator processes (with the softirq work the kernel charged to them), and
+``softirq_cpu_s`` the machine's softirq time: the simulated links' and switch's packet processing, which a
+real cluster spreads over its hosts and NICs but which here shares the same cores.
 ``--kill-relay`` adds a relay round in which the publisher's first child is SIGKILLed when it holds a third of
 the buckets. Needs root (namespaces, veth, tc); every namespace and process it makes is removed at the end,
 and leftovers of an earlier run (names ``arlfo-*``) at the start.
@@ -163,10 +167,24 @@ def link_tx_bytes(num_hosts: int) -> list[int]:
     return [int(by_name[f"{NS_PREFIX}p{k}"]) for k in range(num_hosts)]
 
 
-def _cpu_times() -> tuple[int, int]:
+def _process_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread) used so far by the processes ``pids`` (gone ones count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_times() -> tuple[int, int, int]:
+    """Machine-wide CPU ticks: all, idle (idle + iowait), softirq (the kernel's packet processing)."""
     with open("/proc/stat") as fh:
         vals = [int(x) for x in fh.readline().split()[1:]]
-    return sum(vals), vals[3] + vals[4]
+    return sum(vals), vals[3] + vals[4], vals[6]
 
 
 # ---- workers (one process per host) ----------------------------------------------------------
@@ -360,7 +378,8 @@ async def _round(
         gen_urls = [f"peer://{_addr(k)}:0?fanout={args.fanout}" for k in range(1, n + 1)]
     published = await pub.ask({"cmd": "publish", "prefix": prefix, "url": pub_url, "version": version,
                                "bucket_bytes": args.bucket_mb << 20}, args.timeout_s)  # fmt: skip
-    tx0, cpu0 = link_tx_bytes(max(args.host_counts) + 1), _cpu_times()
+    pids = [w.proc.pid for w in (pub, *gens[:n])]
+    tx0, cpu0, proc0 = link_tx_bytes(max(args.host_counts) + 1), _cpu_times(), _process_cpu_s(pids)
     t0 = time.time()
     for w, url in zip(gens[:n], gen_urls, strict=True):
         await w.send({"cmd": "fetch", "prefix": prefix, "url": url, "version": version, "digests": digests})
@@ -373,7 +392,7 @@ async def _round(
     errors = [rep["error"] for rep in replies if "error" in rep]
     if errors:
         raise RuntimeError(f"{mode} N={n}: a generator failed: {errors[0]}")
-    cpu1 = _cpu_times()
+    cpu1, proc1 = _cpu_times(), _process_cpu_s(pids)
     tx1 = link_tx_bytes(max(args.host_counts) + 1)
     ended = await asyncio.gather(*(w.ask({"cmd": "end"}, args.timeout_s) for w in survivors))
     fin = await pub.ask({"cmd": "finish"}, args.timeout_s)
@@ -389,6 +408,8 @@ async def _round(
         "bit_exact": all(rep["bit_exact"] for rep in replies),
         "reattaches": sum(rep["reattaches"] for rep in replies),
         "cpu_busy": round(1 - (cpu1[1] - cpu0[1]) / max(1, cpu1[0] - cpu0[0]), 3),
+        "workers_cpu_s": round(proc1 - proc0, 2),
+        "softirq_cpu_s": round((cpu1[2] - cpu0[2]) / os.sysconf("SC_CLK_TCK"), 2),
         "round_s": round(t_end - t0, 3),
         "publish_s": round(published["publish_s"], 3),
     }
@@ -472,7 +493,8 @@ async def _drive(args: argparse.Namespace) -> dict[str, Any]:
                 results[mode][str(n)] = res
                 print(f"{mode:>6} N={n:>2}: all applied {res['all_applied_s']:.2f}s, publisher sent "
                       f"{res['publisher_copies']:.2f} copies, max peer {res['max_peer_bytes'] / 1e6:.0f} MB, "
-                      f"cpu busy {res['cpu_busy']:.0%}", file=sys.stderr, flush=True)  # fmt: skip
+                      f"cpu busy {res['cpu_busy']:.0%} (workers {res['workers_cpu_s']:.1f} cpu-s, softirq "
+                      f"{res['softirq_cpu_s']:.1f} cpu-s)", file=sys.stderr, flush=True)  # fmt: skip
         if args.kill_relay:
             n = max(args.host_counts)
             version += 1

@@ -159,6 +159,8 @@ class Topology:
     peer_id: str
     ttl_ms: int
     entries: dict[int, RelayEntry]
+    _dirty: set[int]
+    """Versions whose entry changed here since it was last written (:meth:`note`; written by :meth:`flush`)."""
     _pick: Any
     _put: Any
 
@@ -168,6 +170,7 @@ class Topology:
         self.peer_id = peer_id
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.entries = {}
+        self._dirty = set()
         self._pick = client.register_script(_PICK_LUA)
         self._put = client.register_script(_PUT_LUA)
 
@@ -176,6 +179,7 @@ class Topology:
         self._write(version, entry)
 
     def _write(self, version: int, entry: RelayEntry) -> None:
+        self._dirty.discard(version)
         body = json.dumps(asdict(entry))
         self._put(keys=[self.relays_key(version)], args=[self.peer_id, body, self.ttl_ms, self.ttl_ms * KEY_TTLS])
 
@@ -186,6 +190,24 @@ class Topology:
         for k, v in fields.items():
             setattr(entry, k, v)
         self._write(version, entry)
+
+    def note(self, version: int, **fields: Any) -> None:
+        """Change this peer's entry here only (progress); :meth:`flush` or the next heartbeat writes it."""
+        entry = self.entries.get(version)
+        if entry is None:
+            return
+        for k, v in fields.items():
+            setattr(entry, k, v)
+        self._dirty.add(version)
+
+    def flush(self) -> None:
+        """Write the entries changed by :meth:`note` since they were last written."""
+        for version in list(self._dirty):
+            entry = self.entries.get(version)
+            if entry is None:
+                self._dirty.discard(version)
+            else:
+                self._write(version, entry)
 
     def heartbeat(self) -> None:
         for version, entry in list(self.entries.items()):
