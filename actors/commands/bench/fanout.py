@@ -49,6 +49,12 @@ APPLIED_MEANS = (
     "received, every bucket checksum-verified by the WeightReader, every tensor re-hashed against the publisher's "
     "digests (bit_exact)"
 )
+# tbf's bucket must hold one TSO packet as a qdisc counts it: 64 KB of payload plus the headers of each of its
+# segments, about 68 KB. With 64 KB (the floor until 2026-11-25) tbf cut every TSO packet into MTU-sized packets in
+# software and throttled each on a timer: at 0.2 Gbit/s one 80 MB stream cost the machine 0.45-0.75 s of softirq
+# (0.06 s with 128 KB, same 3.4 s transfer), so 16 busy links measured this machine's 2 cores, not the relay. A
+# real host's NIC segments in hardware.
+MIN_BURST_BYTES = 128 << 10
 # Per generator the model is held once, plus the publisher's tensors and peer copy and Valkey's copy.
 MEMORY_SLACK = 1.3
 
@@ -131,8 +137,9 @@ def _shape(ns: str, dev: str, gbps: float, delay_ms: float) -> str:
                             "delay", f"{delay_ms}ms", "limit", "100000"], capture_output=True, text=True)  # fmt: skip
     if netem.returncode == 0:
         return "netem"
-    # Burst: two timer ticks of traffic at the rate (tbf needs at least one, 1.25 MB at 10 Gbit/s and HZ=1000).
-    burst = max(int(gbps * 1e9 / 8 / 1000 * 2), 64 << 10)
+    # Burst: two timer ticks of traffic at the rate (tbf needs at least one, 1.25 MB at 10 Gbit/s and HZ=1000),
+    # and at least MIN_BURST_BYTES.
+    burst = max(int(gbps * 1e9 / 8 / 1000 * 2), MIN_BURST_BYTES)
     _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{gbps}gbit", "burst", str(burst),
          "latency", "50ms")  # fmt: skip
     return "tbf"
