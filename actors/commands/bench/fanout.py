@@ -1,7 +1,7 @@
 """``async-rl bench fanout``: one weight version to 1-16 generator hosts, simulated with network namespaces.
 
-Each host is a Linux network namespace (``arlfo-h<k>``) whose ``eth0`` is one end of a veth pair; the other
-end is a port of a bridge in a switch namespace (``arlfo-sw``); both ends of every link are shaped by netem
+Each host is a Linux network namespace (``arlfo-<run>-h<k>``) whose ``eth0`` is one end of a veth pair; the other
+end is a port of a bridge in a switch namespace (``arlfo-<run>-sw``); both ends of every link are shaped by netem
 (``--link-gbps`` each way, ``--link-ms`` each way). Host 0 runs Valkey and the publisher (a real
 :class:`WeightPublisher`); hosts 1..16 run one generator process each (a real :class:`WeightReader` over the
 real transport). A round publishes one version of a synthetic model (``--model-gb``, uint8 tensors of
@@ -16,7 +16,7 @@ seconds of the publisher and generator processes (with the softirq work the kern
 real cluster spreads over its hosts and NICs but which here shares the same cores.
 ``--kill-relay`` adds a relay round in which the publisher's first child is SIGKILLed when it holds a third of
 the buckets. Needs root (namespaces, veth, tc); every namespace and process it makes is removed at the end,
-and leftovers of an earlier run (names ``arlfo-*``) at the start.
+and leftovers of an earlier run that is gone (names ``arlfo-*``) at the start; a run still going is left alone.
 """
 
 from __future__ import annotations
@@ -40,7 +40,23 @@ from typing import Any
 from actors.commands.bench.report import emit
 
 NS_PREFIX = "arlfo-"
-SWITCH_NS = NS_PREFIX + "sw"
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if n == 0:
+            return out
+
+
+RUN_TAG = _base36(os.getpid())
+"""This run's namespaces are ``arlfo-<tag>-h<k>`` and ``arlfo-<tag>-sw`` (the driver's pid in base 36), so that two
+runs on one machine (a test beside a bench) do not remove each other's; veth names are ``af<tag>-<k>`` (at most
+15 characters)."""
+SWITCH_NS = f"{NS_PREFIX}{RUN_TAG}-sw"
 SUBNET = "10.77.0"
 REDIS_PORT = 6379
 MODES = ("redis", "direct", "relay")
@@ -107,7 +123,25 @@ def _run(*cmd: str) -> None:
 
 
 def _host_ns(k: int) -> str:
-    return f"{NS_PREFIX}h{k}"
+    return f"{NS_PREFIX}{RUN_TAG}-h{k}"
+
+
+def _port(k: int, tag: str = RUN_TAG) -> str:
+    return f"af{tag}-{k}"
+
+
+def _owner_alive(ns: str) -> bool:
+    """Whether the run that made namespace ``ns`` is another one still going (its driver's pid is alive)."""
+    tag, sep, _ = ns[len(NS_PREFIX) :].partition("-")
+    if not sep or tag == RUN_TAG:
+        return False  # a name from before run tags, or our own
+    try:
+        os.kill(int(tag, 36), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _addr(k: int) -> str:
@@ -115,9 +149,11 @@ def _addr(k: int) -> str:
 
 
 def cleanup_namespaces() -> list[str]:
-    """Kill what runs in ``arlfo-*`` namespaces (left by a run of this bench) and delete them; returns their names."""
+    """Kill what runs in ``arlfo-*`` namespaces left by this run or by one that is gone, and delete them (another
+    run's, still going, are left alone); returns their names."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    stale = [line.split()[0] for line in out.splitlines() if line.startswith(NS_PREFIX)]
+    names = [line.split()[0] for line in out.splitlines() if line.startswith(NS_PREFIX)]
+    stale = [ns for ns in names if not _owner_alive(ns)]
     for ns in stale:
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
         for pid in pids:
@@ -125,8 +161,14 @@ def cleanup_namespaces() -> list[str]:
                 os.kill(int(pid), signal.SIGKILL)
     for ns in stale:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    for k in range(80):  # a veth end left in the root namespace by a run killed mid-setup
-        subprocess.run(["ip", "link", "del", f"{NS_PREFIX}p{k}"], capture_output=True)
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    for line in links.splitlines():  # a veth end left in the root namespace by a run killed mid-setup
+        name = line.split(":")[1].strip().partition("@")[0] if line.count(":") >= 2 else ""
+        tag = name[2:].partition("-")[0]
+        if (name.startswith(f"af{tag}-") and tag and not _owner_alive(f"{NS_PREFIX}{tag}-")) or (
+            name.startswith(f"{NS_PREFIX}p")  # from before run tags
+        ):
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
     return stale
 
 
@@ -152,7 +194,7 @@ def setup_namespaces(num_hosts: int, gbps: float, delay_ms: float) -> str:
     _run("ip", "-n", SWITCH_NS, "link", "add", "br0", "type", "bridge")
     _run("ip", "-n", SWITCH_NS, "link", "set", "br0", "up")
     for k in range(num_hosts):
-        ns, port = _host_ns(k), f"{NS_PREFIX}p{k}"
+        ns, port = _host_ns(k), _port(k)
         _run("ip", "netns", "add", ns)
         _run("ip", "link", "add", port + "h", "type", "veth", "peer", "name", port)
         _run("ip", "link", "set", port + "h", "netns", ns)
@@ -171,7 +213,7 @@ def link_tx_bytes(num_hosts: int) -> list[int]:
     """Bytes each host has sent (the switch port's rx counter of its link)."""
     out = subprocess.run(["ip", "-n", SWITCH_NS, "-s", "-j", "link", "show"], capture_output=True, text=True)
     by_name = {d["ifname"]: d["stats64"]["rx"]["bytes"] for d in json.loads(out.stdout)}
-    return [int(by_name[f"{NS_PREFIX}p{k}"]) for k in range(num_hosts)]
+    return [int(by_name[_port(k)]) for k in range(num_hosts)]
 
 
 def _process_cpu_s(pids: list[int]) -> float:
@@ -541,6 +583,7 @@ async def _drive(args: argparse.Namespace) -> dict[str, Any]:
         "kill_relay": fault,
         "applied_means": APPLIED_MEANS,
         "stale_namespaces_removed": stale,
+        "namespace_prefix": f"{NS_PREFIX}{RUN_TAG}-",
         "machine": {
             "cpus": os.cpu_count(),
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
