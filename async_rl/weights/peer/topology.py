@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -161,6 +162,9 @@ class Topology:
     entries: dict[int, RelayEntry]
     _dirty: set[int]
     """Versions whose entry changed here since it was last written (:meth:`note`; written by :meth:`flush`)."""
+    _write_lock: threading.Lock
+    """One write at a time (the pull thread and the heartbeat thread both write): an entry is serialised and sent
+    under it, so the last write to reach Redis carries the newest state, never an older snapshot overtaking it."""
     _pick: Any
     _put: Any
 
@@ -171,6 +175,7 @@ class Topology:
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.entries = {}
         self._dirty = set()
+        self._write_lock = threading.Lock()
         self._pick = client.register_script(_PICK_LUA)
         self._put = client.register_script(_PUT_LUA)
 
@@ -179,9 +184,12 @@ class Topology:
         self._write(version, entry)
 
     def _write(self, version: int, entry: RelayEntry) -> None:
-        self._dirty.discard(version)
-        body = json.dumps(asdict(entry))
-        self._put(keys=[self.relays_key(version)], args=[self.peer_id, body, self.ttl_ms, self.ttl_ms * KEY_TTLS])
+        with self._write_lock:
+            self._dirty.discard(version)
+            if self.entries.get(version) is not entry:
+                return  # left (or replaced) meanwhile: a late write would bring the entry back
+            body = json.dumps(asdict(entry))
+            self._put(keys=[self.relays_key(version)], args=[self.peer_id, body, self.ttl_ms, self.ttl_ms * KEY_TTLS])
 
     def update(self, version: int, **fields: Any) -> None:
         entry = self.entries.get(version)
@@ -230,5 +238,6 @@ class Topology:
         self.client.hdel(self.relays_key(version), peer_id)
 
     def leave(self, version: int) -> None:
-        self.entries.pop(version, None)
-        self.client.hdel(self.relays_key(version), self.peer_id)
+        with self._write_lock:
+            self.entries.pop(version, None)
+            self.client.hdel(self.relays_key(version), self.peer_id)
