@@ -1,7 +1,7 @@
 """``async-rl bench fanout``: one weight version to 1-16 generator hosts, simulated with network namespaces.
 
-Each host is a Linux network namespace (``arlfo-h<k>``) whose ``eth0`` is one end of a veth pair; the other
-end is a port of a bridge in a switch namespace (``arlfo-sw``); both ends of every link are shaped by netem
+Each host is a Linux network namespace (``arlfo-<run>-h<k>``) whose ``eth0`` is one end of a veth pair; the other
+end is a port of a bridge in a switch namespace (``arlfo-<run>-sw``); both ends of every link are shaped by netem
 (``--link-gbps`` each way, ``--link-ms`` each way). Host 0 runs Valkey and the publisher (a real
 :class:`WeightPublisher`); hosts 1..16 run one generator process each (a real :class:`WeightReader` over the
 real transport). A round publishes one version of a synthetic model (``--model-gb``, uint8 tensors of
@@ -10,9 +10,13 @@ received, every bucket checksum-verified by the reader, and every tensor hashed 
 own digests. Modes: ``redis`` (buckets in the one Valkey), ``direct`` (``peer://``, every generator pulls from
 the publisher), ``relay`` (``peer://``, the publisher feeds ``--publisher-fanout`` peers and each generator
 ``--fanout`` more). Bytes sent per host are the ``tx`` counters of its link (headers included).
+Per round, ``cpu_busy`` is the whole machine's busy share (other work included), ``workers_cpu_s`` the CPU
+seconds of the publisher and generator processes (with the softirq work the kernel charged to them), and
+``softirq_cpu_s`` the machine's softirq time: the simulated links' and switch's packet processing, which a
+real cluster spreads over its hosts and NICs but which here shares the same cores.
 ``--kill-relay`` adds a relay round in which the publisher's first child is SIGKILLed when it holds a third of
 the buckets. Needs root (namespaces, veth, tc); every namespace and process it makes is removed at the end,
-and leftovers of an earlier run (names ``arlfo-*``) at the start.
+and leftovers of an earlier run that is gone (names ``arlfo-*``) at the start; a run still going is left alone.
 """
 
 from __future__ import annotations
@@ -36,7 +40,23 @@ from typing import Any
 from actors.commands.bench.report import emit
 
 NS_PREFIX = "arlfo-"
-SWITCH_NS = NS_PREFIX + "sw"
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if n == 0:
+            return out
+
+
+RUN_TAG = _base36(os.getpid())
+"""This run's namespaces are ``arlfo-<tag>-h<k>`` and ``arlfo-<tag>-sw`` (the driver's pid in base 36), so that two
+runs on one machine (a test beside a bench) do not remove each other's; veth names are ``af<tag>-<k>`` (at most
+15 characters)."""
+SWITCH_NS = f"{NS_PREFIX}{RUN_TAG}-sw"
 SUBNET = "10.77.0"
 REDIS_PORT = 6379
 MODES = ("redis", "direct", "relay")
@@ -45,6 +65,12 @@ APPLIED_MEANS = (
     "received, every bucket checksum-verified by the WeightReader, every tensor re-hashed against the publisher's "
     "digests (bit_exact)"
 )
+# tbf's bucket must hold one TSO packet as a qdisc counts it: 64 KB of payload plus the headers of each of its
+# segments, about 68 KB. With 64 KB (the floor until 2026-11-25) tbf cut every TSO packet into MTU-sized packets in
+# software and throttled each on a timer: at 0.2 Gbit/s one 80 MB stream cost the machine 0.45-0.75 s of softirq
+# (0.06 s with 128 KB, same 3.4 s transfer), so 16 busy links measured this machine's 2 cores, not the relay. A
+# real host's NIC segments in hardware.
+MIN_BURST_BYTES = 128 << 10
 # Per generator the model is held once, plus the publisher's tensors and peer copy and Valkey's copy.
 MEMORY_SLACK = 1.3
 
@@ -97,7 +123,25 @@ def _run(*cmd: str) -> None:
 
 
 def _host_ns(k: int) -> str:
-    return f"{NS_PREFIX}h{k}"
+    return f"{NS_PREFIX}{RUN_TAG}-h{k}"
+
+
+def _port(k: int, tag: str = RUN_TAG) -> str:
+    return f"af{tag}-{k}"
+
+
+def _owner_alive(ns: str) -> bool:
+    """Whether the run that made namespace ``ns`` is another one still going (its driver's pid is alive)."""
+    tag, sep, _ = ns[len(NS_PREFIX) :].partition("-")
+    if not sep or tag == RUN_TAG:
+        return False  # a name from before run tags, or our own
+    try:
+        os.kill(int(tag, 36), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _addr(k: int) -> str:
@@ -105,9 +149,11 @@ def _addr(k: int) -> str:
 
 
 def cleanup_namespaces() -> list[str]:
-    """Kill what runs in ``arlfo-*`` namespaces (left by a run of this bench) and delete them; returns their names."""
+    """Kill what runs in ``arlfo-*`` namespaces left by this run or by one that is gone, and delete them (another
+    run's, still going, are left alone); returns their names."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    stale = [line.split()[0] for line in out.splitlines() if line.startswith(NS_PREFIX)]
+    names = [line.split()[0] for line in out.splitlines() if line.startswith(NS_PREFIX)]
+    stale = [ns for ns in names if not _owner_alive(ns)]
     for ns in stale:
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
         for pid in pids:
@@ -115,8 +161,14 @@ def cleanup_namespaces() -> list[str]:
                 os.kill(int(pid), signal.SIGKILL)
     for ns in stale:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    for k in range(80):  # a veth end left in the root namespace by a run killed mid-setup
-        subprocess.run(["ip", "link", "del", f"{NS_PREFIX}p{k}"], capture_output=True)
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    for line in links.splitlines():  # a veth end left in the root namespace by a run killed mid-setup
+        name = line.split(":")[1].strip().partition("@")[0] if line.count(":") >= 2 else ""
+        tag = name[2:].partition("-")[0]
+        if (name.startswith(f"af{tag}-") and tag and not _owner_alive(f"{NS_PREFIX}{tag}-")) or (
+            name.startswith(f"{NS_PREFIX}p")  # from before run tags
+        ):
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
     return stale
 
 
@@ -127,8 +179,9 @@ def _shape(ns: str, dev: str, gbps: float, delay_ms: float) -> str:
                             "delay", f"{delay_ms}ms", "limit", "100000"], capture_output=True, text=True)  # fmt: skip
     if netem.returncode == 0:
         return "netem"
-    # Burst: two timer ticks of traffic at the rate (tbf needs at least one, 1.25 MB at 10 Gbit/s and HZ=1000).
-    burst = max(int(gbps * 1e9 / 8 / 1000 * 2), 64 << 10)
+    # Burst: two timer ticks of traffic at the rate (tbf needs at least one, 1.25 MB at 10 Gbit/s and HZ=1000),
+    # and at least MIN_BURST_BYTES.
+    burst = max(int(gbps * 1e9 / 8 / 1000 * 2), MIN_BURST_BYTES)
     _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{gbps}gbit", "burst", str(burst),
          "latency", "50ms")  # fmt: skip
     return "tbf"
@@ -141,7 +194,7 @@ def setup_namespaces(num_hosts: int, gbps: float, delay_ms: float) -> str:
     _run("ip", "-n", SWITCH_NS, "link", "add", "br0", "type", "bridge")
     _run("ip", "-n", SWITCH_NS, "link", "set", "br0", "up")
     for k in range(num_hosts):
-        ns, port = _host_ns(k), f"{NS_PREFIX}p{k}"
+        ns, port = _host_ns(k), _port(k)
         _run("ip", "netns", "add", ns)
         _run("ip", "link", "add", port + "h", "type", "veth", "peer", "name", port)
         _run("ip", "link", "set", port + "h", "netns", ns)
@@ -160,13 +213,27 @@ def link_tx_bytes(num_hosts: int) -> list[int]:
     """Bytes each host has sent (the switch port's rx counter of its link)."""
     out = subprocess.run(["ip", "-n", SWITCH_NS, "-s", "-j", "link", "show"], capture_output=True, text=True)
     by_name = {d["ifname"]: d["stats64"]["rx"]["bytes"] for d in json.loads(out.stdout)}
-    return [int(by_name[f"{NS_PREFIX}p{k}"]) for k in range(num_hosts)]
+    return [int(by_name[_port(k)]) for k in range(num_hosts)]
 
 
-def _cpu_times() -> tuple[int, int]:
+def _process_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread) used so far by the processes ``pids`` (gone ones count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_times() -> tuple[int, int, int]:
+    """Machine-wide CPU ticks: all, idle (idle + iowait), softirq (the kernel's packet processing)."""
     with open("/proc/stat") as fh:
         vals = [int(x) for x in fh.readline().split()[1:]]
-    return sum(vals), vals[3] + vals[4]
+    return sum(vals), vals[3] + vals[4], vals[6]
 
 
 # ---- workers (one process per host) ----------------------------------------------------------
@@ -360,7 +427,8 @@ async def _round(
         gen_urls = [f"peer://{_addr(k)}:0?fanout={args.fanout}" for k in range(1, n + 1)]
     published = await pub.ask({"cmd": "publish", "prefix": prefix, "url": pub_url, "version": version,
                                "bucket_bytes": args.bucket_mb << 20}, args.timeout_s)  # fmt: skip
-    tx0, cpu0 = link_tx_bytes(max(args.host_counts) + 1), _cpu_times()
+    pids = [w.proc.pid for w in (pub, *gens[:n])]
+    tx0, cpu0, proc0 = link_tx_bytes(max(args.host_counts) + 1), _cpu_times(), _process_cpu_s(pids)
     t0 = time.time()
     for w, url in zip(gens[:n], gen_urls, strict=True):
         await w.send({"cmd": "fetch", "prefix": prefix, "url": url, "version": version, "digests": digests})
@@ -373,7 +441,7 @@ async def _round(
     errors = [rep["error"] for rep in replies if "error" in rep]
     if errors:
         raise RuntimeError(f"{mode} N={n}: a generator failed: {errors[0]}")
-    cpu1 = _cpu_times()
+    cpu1, proc1 = _cpu_times(), _process_cpu_s(pids)
     tx1 = link_tx_bytes(max(args.host_counts) + 1)
     ended = await asyncio.gather(*(w.ask({"cmd": "end"}, args.timeout_s) for w in survivors))
     fin = await pub.ask({"cmd": "finish"}, args.timeout_s)
@@ -389,6 +457,8 @@ async def _round(
         "bit_exact": all(rep["bit_exact"] for rep in replies),
         "reattaches": sum(rep["reattaches"] for rep in replies),
         "cpu_busy": round(1 - (cpu1[1] - cpu0[1]) / max(1, cpu1[0] - cpu0[0]), 3),
+        "workers_cpu_s": round(proc1 - proc0, 2),
+        "softirq_cpu_s": round((cpu1[2] - cpu0[2]) / os.sysconf("SC_CLK_TCK"), 2),
         "round_s": round(t_end - t0, 3),
         "publish_s": round(published["publish_s"], 3),
     }
@@ -472,7 +542,8 @@ async def _drive(args: argparse.Namespace) -> dict[str, Any]:
                 results[mode][str(n)] = res
                 print(f"{mode:>6} N={n:>2}: all applied {res['all_applied_s']:.2f}s, publisher sent "
                       f"{res['publisher_copies']:.2f} copies, max peer {res['max_peer_bytes'] / 1e6:.0f} MB, "
-                      f"cpu busy {res['cpu_busy']:.0%}", file=sys.stderr, flush=True)  # fmt: skip
+                      f"cpu busy {res['cpu_busy']:.0%} (workers {res['workers_cpu_s']:.1f} cpu-s, softirq "
+                      f"{res['softirq_cpu_s']:.1f} cpu-s)", file=sys.stderr, flush=True)  # fmt: skip
         if args.kill_relay:
             n = max(args.host_counts)
             version += 1
@@ -512,6 +583,7 @@ async def _drive(args: argparse.Namespace) -> dict[str, Any]:
         "kill_relay": fault,
         "applied_means": APPLIED_MEANS,
         "stale_namespaces_removed": stale,
+        "namespace_prefix": f"{NS_PREFIX}{RUN_TAG}-",
         "machine": {
             "cpus": os.cpu_count(),
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),

@@ -153,7 +153,8 @@ class BucketServer:
                         else:
                             conn.sendall(header)
                         continue
-                    conn.sendall(header)
+                    # MSG_MORE: the header leaves in the bucket's first segment, not in a packet of its own.
+                    conn.sendall(header, socket.MSG_MORE if bucket.nbytes else 0)
                     if fd >= 0:  # sendfile: the kernel sends the memfd's pages, no copy through user space
                         with open(fd, "rb", closefd=False) as fh:
                             conn.sendfile(fh, 0, bucket.nbytes)

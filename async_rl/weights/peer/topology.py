@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -159,6 +160,11 @@ class Topology:
     peer_id: str
     ttl_ms: int
     entries: dict[int, RelayEntry]
+    _dirty: set[int]
+    """Versions whose entry changed here since it was last written (:meth:`note`; written by :meth:`flush`)."""
+    _write_lock: threading.Lock
+    """One write at a time (the pull thread and the heartbeat thread both write): an entry is serialised and sent
+    under it, so the last write to reach Redis carries the newest state, never an older snapshot overtaking it."""
     _pick: Any
     _put: Any
 
@@ -168,6 +174,8 @@ class Topology:
         self.peer_id = peer_id
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.entries = {}
+        self._dirty = set()
+        self._write_lock = threading.Lock()
         self._pick = client.register_script(_PICK_LUA)
         self._put = client.register_script(_PUT_LUA)
 
@@ -176,8 +184,12 @@ class Topology:
         self._write(version, entry)
 
     def _write(self, version: int, entry: RelayEntry) -> None:
-        body = json.dumps(asdict(entry))
-        self._put(keys=[self.relays_key(version)], args=[self.peer_id, body, self.ttl_ms, self.ttl_ms * KEY_TTLS])
+        with self._write_lock:
+            self._dirty.discard(version)
+            if self.entries.get(version) is not entry:
+                return  # left (or replaced) meanwhile: a late write would bring the entry back
+            body = json.dumps(asdict(entry))
+            self._put(keys=[self.relays_key(version)], args=[self.peer_id, body, self.ttl_ms, self.ttl_ms * KEY_TTLS])
 
     def update(self, version: int, **fields: Any) -> None:
         entry = self.entries.get(version)
@@ -186,6 +198,24 @@ class Topology:
         for k, v in fields.items():
             setattr(entry, k, v)
         self._write(version, entry)
+
+    def note(self, version: int, **fields: Any) -> None:
+        """Change this peer's entry here only (progress); :meth:`flush` or the next heartbeat writes it."""
+        entry = self.entries.get(version)
+        if entry is None:
+            return
+        for k, v in fields.items():
+            setattr(entry, k, v)
+        self._dirty.add(version)
+
+    def flush(self) -> None:
+        """Write the entries changed by :meth:`note` since they were last written."""
+        for version in list(self._dirty):
+            entry = self.entries.get(version)
+            if entry is None:
+                self._dirty.discard(version)
+            else:
+                self._write(version, entry)
 
     def heartbeat(self) -> None:
         for version, entry in list(self.entries.items()):
@@ -208,5 +238,6 @@ class Topology:
         self.client.hdel(self.relays_key(version), peer_id)
 
     def leave(self, version: int) -> None:
-        self.entries.pop(version, None)
-        self.client.hdel(self.relays_key(version), self.peer_id)
+        with self._write_lock:
+            self.entries.pop(version, None)
+            self.client.hdel(self.relays_key(version), self.peer_id)

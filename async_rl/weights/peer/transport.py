@@ -70,6 +70,12 @@ log = logging.getLogger(__name__)
 MAX_FAILURES = 32
 # Chunk handed to recv_into and the hasher: large enough to amortise calls, small enough to stay in cache.
 RECV_CHUNK_BYTES = 1 << 20
+# The receiving thread wakes once this many bytes wait in the socket (SO_RCVLOWAT), not at every segment: on a
+# rate-limited link a recv returned 8 KB on average (10,000 wakeups, each a Python loop turn, per 80 MB).
+RECV_LOWAT_BYTES = 512 << 10
+# Progress (buckets held) reaches Redis at most this often, written by the heartbeat thread, never by the pull
+# itself: a Redis round trip per bucket (two shaped links away) stalled the receiving thread and cost CPU.
+PROGRESS_INTERVAL_S = 0.25
 MAP_THREADS = max(1, min(4, os.cpu_count() or 1))
 """One host: buckets mapped and hashed side by side (the GIL is released while hashing; the page faults of
 unpopulated mappings run in parallel, see :func:`~async_rl.weights.peer.store.map_received_fd`)."""
@@ -147,6 +153,8 @@ class PeerTransport(BucketTransport):
     _pulls: dict[int, _Pull]
     _lock: threading.Lock
     _stop: threading.Event
+    _progress: threading.Event
+    """Set when an entry changed locally (buckets held): the heartbeat thread writes it within PROGRESS_INTERVAL_S."""
     _beat: threading.Thread
 
     def __init__(self, url: str, redis_url: str, names: Names, *, timeout_s: float = 60.0) -> None:
@@ -160,6 +168,7 @@ class PeerTransport(BucketTransport):
         self._pulls = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._progress = threading.Event()
         self.store = BucketStore(cfg.keep)
         # same_host=tcp: a host id no other peer shares, so every source is reached over TCP.
         self.host = host_id() if cfg.same_host == "fd" else f"{host_id()}:{uuid.uuid4().hex}"
@@ -188,11 +197,24 @@ class PeerTransport(BucketTransport):
                           fanout=self.server.fanout, depth=depth, have=have, done=done, lo=lo, hi=hi)  # fmt: skip
 
     def _heartbeat(self, every_s: float) -> None:
-        while not self._stop.wait(every_s):
+        """Renew every entry each ``every_s``; between beats, write the entries whose progress changed, at most
+        every :data:`PROGRESS_INTERVAL_S` (one write covers all the buckets held meanwhile)."""
+        beat_at = time.monotonic() + every_s
+        while True:
+            self._progress.wait(max(0.0, beat_at - time.monotonic()))
+            if self._stop.is_set():
+                return
+            self._progress.clear()
             try:
-                self.topology.heartbeat()
+                if time.monotonic() >= beat_at:
+                    self.topology.heartbeat()
+                    beat_at = time.monotonic() + every_s
+                else:
+                    self.topology.flush()
             except redis.RedisError as exc:  # retried at the next beat; entries expire if Redis stays away
                 log.warning("peer heartbeat to Redis failed: %r", exc)
+            if self._stop.wait(PROGRESS_INTERVAL_S):
+                return
 
     # ---- source side (the publisher) ---------------------------------------------------------
 
@@ -443,7 +465,8 @@ class PeerTransport(BucketTransport):
         if pull.failed_at:
             self.reattach_s.append(time.monotonic() - pull.failed_at)
             pull.failed_at = 0.0
-        self.topology.update(pull.version, have=index + 1)
+        self.topology.note(pull.version, have=index + 1)  # written by the heartbeat thread, off this path
+        self._progress.set()
         self._wake(pull, loop, index)
 
     def _verify(self, got: int, pull: _Pull, index: int) -> None:
@@ -452,17 +475,26 @@ class PeerTransport(BucketTransport):
             raise BucketCorrupt(f"bucket {index}: {pull.algorithm} {got:#x} != manifest {pull.checksums[index]:#x}")
 
     def _receive_bucket(self, sock: socket.socket, nbytes: int, pull: _Pull, index: int) -> Bucket:
+        """Bucket ``index`` straight off the socket into its memfd, each chunk hashed while it is still in cache (the
+        only pass over the bytes in user space); the thread wakes per :data:`RECV_LOWAT_BYTES`, not per segment."""
         fd, view = new_bucket_memory(nbytes, f"v{pull.version}b{index}")
         try:
             hasher = checksum_stream(pull.algorithm)
             got = 0
+            lowat = 1
             while got < nbytes:
+                want = min(RECV_LOWAT_BYTES, nbytes - got)
+                if want != lowat:  # a syscall only when it changes: at a bucket's start and its last chunk
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    lowat = want
                 r = sock.recv_into(view[got : min(nbytes, got + RECV_CHUNK_BYTES)])
                 if r == 0:
                     raise ConnectionResetError(f"source closed the connection mid-bucket ({got} of {nbytes} bytes)")
                 hasher.update(view[got : got + r])
                 got += r
-                self.bytes_received += r
+            self.bytes_received += nbytes
+            if lowat != 1:  # the next reply header is 16 bytes: wake for it
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             self._verify(hasher.intdigest(), pull, index)
         except BaseException:
             if fd >= 0:
@@ -486,6 +518,7 @@ class PeerTransport(BucketTransport):
 
     async def close(self) -> None:
         self._stop.set()
+        self._progress.set()
 
         def shut() -> None:
             for version in list(self.topology.entries):
