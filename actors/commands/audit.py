@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl audit") -> int:
     except Unreachable as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
+    from async_rl.runs import missing_run_at
+
+    missing = missing_run_at(args.run.redis_url, args.run.prefix, key="--prefix")
+    if missing is not None:  # nothing issued is not "every issued prompt is accounted for"
+        print(f"{prog}: {missing}", file=sys.stderr)
+        return 1
 
     try:
         rep = asyncio.run(report(args.run, args.fates))

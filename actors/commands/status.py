@@ -220,6 +220,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl status") -> int:
     except Unreachable as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
+    from async_rl.runs import missing_run_at
+
+    missing = missing_run_at(args.run.redis_url, args.run.prefix, key="--prefix")
+    if missing is not None:  # an empty table would read as a run that has not started; say what is there
+        print(f"{prog}: {missing}", file=sys.stderr)
+        return 1
     try:
         return asyncio.run(_run(args))
     except ConnectionError as exc:

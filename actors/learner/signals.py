@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from actors.learner.config import LearnerConfig
-from async_rl.control import ControlPlane, Heartbeat, Message, ScalingSignal, encode
+from async_rl.control import ControlPlane, Heartbeat, JoinRefused, Message, ScalingSignal, encode
 from async_rl.prom import Exporter, Metric
 from async_rl.scaling import StarvationWindow, suggest
 
@@ -85,9 +85,13 @@ class LearnerSignals:
     async def start(self, redis: aioredis.Redis, control: ControlPlane) -> None:
         self._redis, self._control = redis, control
         self.exporter.start()
-        await control.subscribe(self.cfg.run.names.heartbeat_subject, self._on_heartbeat, kinds=(Heartbeat,))
+        await control.subscribe(self.cfg.run.names.heartbeat_subject, self._on_heartbeat,
+                                kinds=(Heartbeat, JoinRefused))  # fmt: skip
 
     async def _on_heartbeat(self, msg: Message) -> None:
+        if isinstance(msg, JoinRefused):  # the generator exits with the same line; the run's own log says it too
+            log.error("generator %s (%s pid %d) refused to join: %s", msg.generator_id, msg.host, msg.pid, msg.reason)
+            return
         assert isinstance(msg, Heartbeat)
         gid, before = msg.generator_id, self._beats.get(msg.generator_id)
         self._beats[gid] = msg

@@ -191,10 +191,24 @@ def tracebacks(run_dir: Path) -> list[str]:
     return found
 
 
+def held_run(run_dir: Path | None) -> str | None:
+    """The refusal of a ``--run-dir`` that holds a run already (its learner would resume it, and a finished one
+    trains 0 steps): a benchmark measures a fresh run."""
+    pointer = None if run_dir is None else run_dir / "checkpoints" / "latest"
+    if pointer is None or not pointer.is_file():
+        return None
+    return (f"--run-dir {run_dir} holds a run already (checkpoint {pointer.read_text().strip()}); a benchmark starts "
+            "fresh: give a new --run-dir, or leave it out for runs/bench-loop-<time>")
+
+
 def main(argv: list[str] | None = None, prog: str = "async-rl bench loop") -> int:
     from actors.commands.bench.report import emit
 
     args = parse_args(argv, prog)
+    held = held_run(args.run_dir)
+    if held:
+        print(f"{prog}: {held}", file=sys.stderr)
+        return 2
     summary = asyncio.run(run_loop(args))
     emit(summary, args.json, print_skip=("reward_curve",))
     done = summary["steps"] >= args.steps or (args.target and summary.get("wall_to_target_s") is not None)
