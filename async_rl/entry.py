@@ -17,9 +17,12 @@ T = TypeVar("T")
 def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=description,
-        epilog="Overrides are dotted config keys, e.g. run.redis_url=redis://host:6379/0 task.name=reverse.",
+        epilog="Overrides are dotted config keys, e.g. run.redis_url=redis://host:6379/0 task.name=reverse; "
+               f"{prog} --help-keys lists every key with its type, default and meaning.",
     )  # fmt: skip
     parser.add_argument("--config", type=Path, default=None, help="TOML config file")
+    parser.add_argument("--help-keys", action="store_true",
+                        help="list every config key (type, default, description) by section and exit")  # fmt: skip
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
@@ -41,10 +44,16 @@ def public_config(cfg: Any) -> dict[str, Any]:
 
 def parse_config(cls: type[T], args: argparse.Namespace, prog: str) -> T:
     """Load and validate the config; a mistake exits with a one-line message naming the field."""
+    if getattr(args, "help_keys", False):
+        from async_rl.config_keys import render_keys
+
+        print(render_keys(cls, prog))
+        raise SystemExit(0)
     try:
         cfg = load_config(cls, args.config, args.overrides)
     except ConfigError as exc:
-        print(f"{prog}: config error: {exc}", file=sys.stderr)
+        hint = f" ({prog} --help-keys lists every key)" if str(exc).startswith("unknown config key") else ""
+        print(f"{prog}: config error: {exc}{hint}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.print_config:
         print(json.dumps(public_config(cfg), indent=2))
