@@ -61,6 +61,18 @@ def parse_config(cls: type[T], args: argparse.Namespace, prog: str) -> T:
     return cfg
 
 
+def check_task(task_cfg: Any, prog: str) -> None:
+    """Build the task once at config time: a reward that does not import, a JSONL file that does not parse, or text
+    the tokenizer cannot encode exits 2 with one line, before any server is touched."""
+    from async_rl.tasks.config import build_task
+
+    try:
+        build_task(task_cfg)
+    except ValueError as exc:
+        print(f"{prog}: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def setup_logging(level: str, name: str) -> None:
     logging.basicConfig(
         level=getattr(logging, str(level).upper(), logging.INFO),

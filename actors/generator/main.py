@@ -6,7 +6,7 @@ import logging
 import signal
 import sys
 
-from async_rl.entry import config_parser, parse_config, setup_logging
+from async_rl.entry import check_task, config_parser, parse_config, setup_logging
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int:
@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
     from actors.generator.config import GeneratorConfig
 
     cfg = parse_config(GeneratorConfig, args, prog)
+    check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
     if not cfg.run.redis_url or not cfg.run.nats_url:
         print(f"{prog}: config error: run.redis_url and run.nats_url (or ASYNC_RL_REDIS_URL / ASYNC_RL_NATS_URL) "
               "are required: a generator joins an existing run", file=sys.stderr)  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from async_rl.entry import config_parser, parse_config, save_resolved_config, setup_logging
+from async_rl.entry import check_task, config_parser, parse_config, save_resolved_config, setup_logging
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
     from actors.learner.config import LearnerConfig
 
     cfg = parse_config(LearnerConfig, args, prog)
+    check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
     setup_logging(args.log_level, "learner")
     import asyncio
 
