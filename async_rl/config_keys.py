@@ -177,8 +177,12 @@ def unknown_keys(cls: type, data: dict[str, Any]) -> str | None:
     if not unknown:
         return None
     all_paths = [k.path for k in config_keys(cls)]
+    role = cls.__name__.removesuffix("Config").lower()
     parts = []
     for dotted, value, siblings in unknown:
+        if dotted == role and isinstance(value, dict):  # a [generator] table in a generator's own file
+            parts.append(f"{role} (a {role}'s keys are at the top of its file: [vllm], not [{role}.vllm])")
+            continue
         parent, _, name = dotted.rpartition(".")
         leaves = _leaves(value, dotted)
         moved = [p for p in all_paths if any(p.endswith("." + leaf) for leaf in leaves)]  # in another section

@@ -219,6 +219,12 @@ def load_config(cls: type[T], file: str | Path | None = None, overrides: list[st
                 raise ConfigError(f"config file {p}: {exc}") from exc
     if overrides:
         data = deep_merge(data, parse_overrides(overrides))
+    return config_from_data(cls, data)
+
+
+def config_from_data(cls: type[T], data: dict[str, Any]) -> T:
+    """``cls`` from the merged user data of :func:`load_config`: every unknown key named at once, and validation
+    messages naming keys as the user writes them."""
     unknown = unknown_keys(cls, data)  # every unknown key at once, each with the key it probably meant
     if unknown:
         raise ConfigError(unknown)

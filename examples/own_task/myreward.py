@@ -9,7 +9,7 @@ extra keys of a mapping are logged as ``reward/<key>`` beside the reward.
 def reverse_reward(text: str, metadata: dict) -> dict:
     answer = str(metadata["answer"])
     got = text.strip()
-    right = sum(a == b for a, b in zip(got, answer))  # digits in the right place
+    right = sum(a == b for a, b in zip(got, answer, strict=False))  # digits in the right place
     return {
         "reward": right / max(len(answer), len(got), 1),
         "exact": float(got == answer),

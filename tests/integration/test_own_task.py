@@ -31,7 +31,7 @@ def _launcher(tmp_path: Path) -> Path:
 
 def _doc_commands() -> list[list[str]]:
     text = (ROOT / "docs" / "tasks.md").read_text()
-    block = text.split("<!-- docs-test: command -->\n```bash\n", 1)[1].split("```", 1)[0]
+    block = text.split("<!-- docs-test: command cwd=examples/own_task -->\n```bash\n", 1)[1].split("```", 1)[0]
     return [shlex.split(line) for line in block.splitlines() if line.startswith("async-rl ")]
 
 
