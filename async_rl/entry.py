@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any, TypeVar
@@ -12,6 +13,14 @@ from typing import Any, TypeVar
 from async_rl.configurable import ConfigError, load_config, to_dict
 
 T = TypeVar("T")
+
+
+def first_sentence(doc: str | None) -> str:
+    """The first sentence of a module's docstring, over as many lines as it takes (a command's ``--help``
+    description: its first line alone may stop mid-sentence)."""
+    text = " ".join((doc or "").split("\n\n")[0].split())
+    m = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", text)
+    return text[: m.start() + 1] if m else text
 
 
 def config_parser(prog: str, description: str) -> argparse.ArgumentParser:

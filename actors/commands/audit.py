@@ -13,11 +13,12 @@ import json
 import sys
 from typing import Any
 
+from async_rl.entry import first_sentence
 from async_rl.run_config import RunConfig
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     p.add_argument("--prefix", default="async-rl", help="run prefix (run.prefix of the learner)")
     p.add_argument("--redis-url", default=None, help="Redis URL (default $ASYNC_RL_REDIS_URL)")
     p.add_argument("--fates", type=int, default=0, metavar="N", help="also print the newest N fates")

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from async_rl.entry import first_sentence
+
 DEFAULT_LEARNER = [
     "model.name=tiny-moe", "task.name=copy", "batch_groups=32", "sampling.n=8", "torch.lr=5e-4",
     "torch.lr_schedule=cosine", "torch.lr_decay_steps=1000", "torch.lr_min_ratio=0.1", "target_metric=reward/exact",
@@ -67,7 +69,7 @@ class Progress:
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     p.add_argument("--generators", type=int, default=2, help="generator processes (default 2)")
     p.add_argument("--target-reward", type=float, default=0.9, help="stop when the exact-match rate (mean of 5 steps) reaches this")
     p.add_argument("--max-minutes", type=float, default=5.0, help="wall-clock limit")

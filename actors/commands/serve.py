@@ -18,9 +18,11 @@ import sys
 import threading
 from pathlib import Path
 
+from async_rl.entry import first_sentence
+
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     p.add_argument("--host", default="127.0.0.1", help="address to listen on ('0.0.0.0': every interface)")
     p.add_argument("--advertise", default=None, help="host name in the URLs (default: this host's name with 0.0.0.0)")
     p.add_argument("--redis-port", type=int, default=6379, help="Valkey port (0: a free one)")

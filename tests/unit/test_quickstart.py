@@ -34,13 +34,3 @@ def test_the_recipe_reports_and_stops_on_the_exact_match_rate() -> None:
     assert HEADLINE == "reward/exact" and f"target_metric={HEADLINE}" in DEFAULT_LEARNER
     assert "torch.lr_schedule=cosine" in DEFAULT_LEARNER  # a constant lr collapses once solved (issue 21)
 
-
-def test_the_recipe_serves_the_ports_of_the_urls_it_was_given(capsys) -> None:
-    assert main(["--print-recipe", "--redis-url", "redis://10.0.0.5:16379/0", "--nats-url",
-                 "nats://10.0.0.5:14222"]) == 0  # fmt: skip
-    out = capsys.readouterr().out
-    assert "async-rl serve --no-auth --redis-port 16379 --nats-port 14222" in out
-    assert "6379 " not in out.replace("16379", "") and "4222" not in out.replace("14222", "")
-    assert "can also start" not in out and "never start servers of their own" in out
-    generators = [line for line in out.splitlines() if " generator " in line]
-    assert len(generators) == 2 and all("run.redis_url=redis://10.0.0.5:16379/0" in g for g in generators)

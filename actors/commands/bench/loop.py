@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from async_rl.entry import first_sentence
+
 MODELS = ("tiny-moe", "small-moe", "moe-107m")
 """Presets (``async_rl/models.py``); any other value: a model directory."""
 LEARNER_DEFAULTS = ["task.name=copy", "batch_groups=32", "sampling.n=8", "checkpoint.every=10",
@@ -47,7 +49,7 @@ early stop and the quickstart count it)."""
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     p.add_argument("--json", type=Path, required=True, help="write the summary here")
     p.add_argument("--steps", type=int, default=30, help="learner steps (default 30)")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of the rates (start-up, compilation)")
