@@ -19,7 +19,6 @@ from async_rl.entry import first_sentence
 from async_rl.run_config import RunConfig
 from buffer.prompts import PromptQueueConfig
 
-
 STALENESS_NOTE = ("versions behind: the learner's version now minus the weights the generator sampled with at its "
                   "last heartbeat. staleness.max_staleness bounds something else: how many versions a group's oldest "
                   "token lags the learner when the group is trained (groups over it are dropped and counted above).")
