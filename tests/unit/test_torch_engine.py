@@ -506,3 +506,22 @@ async def test_tied_embeddings_load_under_either_name():
     with pytest.raises(ValueError, match="incomplete"):
         engine.stage_weights({k: v for k, v in src.items() if "embed_tokens" not in k and k != "lm_head.weight"}, 3)
     await engine.close()
+
+
+def test_generation_logs_no_deprecation_warning() -> None:
+    """The KV cache goes by the keyword this transformers names it (``cache``): the ``past_key_values ... deprecated``
+    line no longer lands in every generator's log (a fresh process: transformers warns once per process)."""
+    import subprocess
+    import sys
+
+    code = ("import asyncio, numpy as np\n"
+            "from actors.generator.config import TorchEngineConfig\n"
+            "from actors.generator.engine import SamplingParams\n"
+            "from actors.generator.torch_engine import TorchEngine\n"
+            "e = TorchEngine(TorchEngineConfig())\n"
+            "out = asyncio.run(e.generate([np.array([1, 5, 6], dtype=np.int32)], SamplingParams(n=2, max_new_tokens=4)))\n"
+            "assert len(out[0]) == 2\n"
+            "e.close() if not asyncio.iscoroutinefunction(e.close) else asyncio.run(e.close())\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "deprecated" not in out.stderr.lower(), out.stderr
