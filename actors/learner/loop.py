@@ -336,11 +336,13 @@ class Learner:
     async def _note_starved(self, have: int, waited_s: float) -> None:
         assert self._prompts is not None
         counters = await self._prompts.audit.counters()
+        alive = self._signals.generators_alive()
+        await self._signals.report_lost()
         self._dropped_line.flush()
         log.info("waiting for rollouts for %.0fs: %d of %d groups of step %d in hand; %d prompts issued and not yet "
                  "returned; %d generators alive (async-rl status --prefix %s shows them)", waited_s, have,
-                 self.cfg.batch_groups, self.state.step + 1, counters["in_flight"],
-                 self._signals.generators_alive(), self.cfg.run.prefix)  # fmt: skip
+                 self.cfg.batch_groups, self.state.step + 1, counters["in_flight"], alive,
+                 self.cfg.run.prefix)  # fmt: skip
 
     # ------------------------------------------------------------------ training
     async def _step(self, entries: list[RolloutEntry]) -> None:

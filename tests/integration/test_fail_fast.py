@@ -4,10 +4,14 @@ prefix with no run, and the control plane lost for good under a running learner 
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import redis
 
 from actors.commands.audit import main as audit_main
 from actors.commands.status import main as status_main
@@ -37,7 +41,7 @@ def test_mistakes_end_with_one_line(servers: ServerSet, names: Names, tmp_path: 
 
 def _run_mistakes(procs: Procs, servers: ServerSet, names: Names, nats, capsys) -> None:  # type: ignore[no-untyped-def]
     lossy = ["control.max_reconnect_attempts=2", "control.reconnect_wait_s=0.5"]
-    procs.learner(*lossy, "staleness.max_staleness=1")
+    procs.learner(*lossy, "staleness.max_staleness=1", "starved_log_interval_s=2", "scaling.heartbeat_timeout_s=3")
     procs.wait_for("weights v0", lambda: "published weights v0" in procs.log("learner"), 120)
 
     # Another model: refused at join (before any weight is fetched), and the learner says so too.
@@ -69,6 +73,26 @@ def _run_mistakes(procs: Procs, servers: ServerSet, names: Names, nats, capsys) 
         assert main(argv) == 1
         err = capsys.readouterr().err.strip()
         assert err.endswith(f"(did you mean --prefix={names.prefix}?)") and f"no run '{names.prefix}x'" in err, err
+
+    # No generator at work: the learner says what it waits for instead of nothing.
+    procs.wait_for("the starved line", lambda: "waiting for rollouts for" in procs.log("learner"), 30)
+    assert "8 prompts issued and not yet returned; 0 generators alive" in procs.log("learner")
+
+    # A generator killed with prompts in hand: the learner says how many it left pending and when they are reclaimed.
+    client = redis.Redis.from_url(servers.redis_url)
+    procs.generator("gen-kill")
+    procs.wait_for("prompts held by gen-kill", lambda: any(
+        c["name"] == b"gen-kill" and c["pending"] > 0
+        for c in client.xinfo_consumers(names.prompts_stream, names.prompts_group)), 120)  # fmt: skip
+    procs.procs.pop("gen-kill").send_signal(signal.SIGKILL)
+    procs.wait_for("the lost line", lambda: "generator gen-kill (" in procs.log("learner")
+                   and " lost: " in procs.log("learner"), 60)  # fmt: skip
+    lost = next(line for line in procs.log("learner").splitlines() if "generator gen-kill (" in line and " lost" in line)
+    m = re.search(r"it left (\d+) prompts? pending, which other generators reclaim (now|in \d+s) "
+                  r"\(prompts.reclaim_idle_ms=3000\)", lost)  # fmt: skip
+    assert m and int(m.group(1)) >= 1, lost
+    client.close()
+    print(f"lost generator: {lost.split(': ', 1)[1]}")
 
     # NATS lost for good under a working learner and generator: both exit 1 with one line.
     procs.generator("gen-ok", *lossy)
