@@ -9,6 +9,7 @@ and the other database of the same server that holds the prefix, when one does (
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -57,7 +58,15 @@ async def _other_dbs(redis: Any, url: str, prefix: str) -> list[int]:
     return out
 
 
-async def missing_run(redis: Any, url: str, prefix: str, key: str = "run.prefix") -> str | None:
+@dataclass(frozen=True, slots=True)
+class MissingRun:
+    """A prefix with no run at a Redis: the line to print, and the other database that holds it, if one does."""
+
+    line: str
+    other_db: int | None
+
+
+async def missing_run(redis: Any, url: str, prefix: str, key: str = "run.prefix") -> MissingRun | None:
     """None when run ``prefix`` exists at ``redis``; otherwise one line naming what exists there (``key`` is how
     the user sets the prefix: ``run.prefix`` or ``--prefix``)."""
     names = Names(prefix=prefix)
@@ -77,7 +86,7 @@ async def missing_run(redis: Any, url: str, prefix: str, key: str = "run.prefix"
     dbs = await _other_dbs(redis, url, prefix)
     if dbs:
         line += f"; run {prefix!r} is in database {dbs[0]} of that server: {redact_url(_with_db(url, dbs[0]))}"
-    return line
+    return MissingRun(line, dbs[0] if dbs else None)
 
 
 def missing_run_at(url: str, prefix: str, key: str = "run.prefix") -> str | None:
@@ -89,8 +98,9 @@ def missing_run_at(url: str, prefix: str, key: str = "run.prefix") -> str | None
     async def _check() -> str | None:
         client = aioredis.Redis.from_url(url)
         try:
-            return await missing_run(client, url, prefix, key)
+            missing = await missing_run(client, url, prefix, key)
         finally:
             await client.aclose()
+        return None if missing is None else missing.line
 
     return asyncio.run(_check())

@@ -32,9 +32,9 @@ async def check_join(cfg: Any, redis: Any, control: ControlPlane) -> None:
     names = cfg.run.names
     missing = await missing_run(redis, cfg.run.redis_url, cfg.run.prefix)
     if missing is not None:
-        if "is in database" in missing:
-            raise StartupError(missing)
-        log.warning("%s; waiting for its learner (up to weight_sync.first_version_timeout_s=%.0fs)", missing,
+        if missing.other_db is not None:  # the right prefix in the wrong database: no learner will come here
+            raise StartupError(missing.line)
+        log.warning("%s; waiting for its learner (up to weight_sync.first_version_timeout_s=%.0fs)", missing.line,
                     cfg.weight_sync.first_version_timeout_s)  # fmt: skip
         return
     raw = await redis.hmget(names.learner_state, [arch.STATE_FIELD, "model"])

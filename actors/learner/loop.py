@@ -134,8 +134,8 @@ class Learner:
         self._pending_rows = []  # (step, metrics row) of those steps, written with their commit
         self._unexplained_failures = 0
         self._max_staleness_seen = 0
-        self._dropped_line = RepeatedLine(log, f"dropped {{n}} groups over the staleness bound "
-                                               f"{cfg.staleness.max_staleness} (staleness.max_staleness)")  # fmt: skip
+        self._dropped_line = RepeatedLine(log, "dropped {n} groups over the staleness bound "
+                                               f"staleness.max_staleness={cfg.staleness.max_staleness}")  # fmt: skip
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
