@@ -79,7 +79,7 @@ def target_value(metrics: dict[str, Any], name: str) -> float:
     """The step's value of ``learner.target_metric``; ValueError naming what the task reports when it is absent."""
     if name not in metrics:
         known = sorted(k for k in metrics if k == "reward" or k.startswith("reward/"))
-        raise ValueError(f"learner.target_metric {name!r} is not reported by this task (it reports {known})")
+        raise ValueError(f"target_metric {name!r} is not reported by this task (it reports {known})")
     return float(metrics[name])
 
 
