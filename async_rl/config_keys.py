@@ -195,3 +195,16 @@ def unknown_keys(cls: type, data: dict[str, Any]) -> str | None:
         shown = ", ".join(leaves) if len(leaves) > 1 else leaves[0]
         parts.append(f"{shown} (did you mean {' or '.join(moved[:3])}?)" if moved else shown)
     return f"unknown config key(s): {', '.join(parts)}"
+
+
+def keys_overview(cls: type, width: int = 100) -> str:
+    """Every key of ``cls`` by name only, one wrapped paragraph per section (what ``--help`` shows; ``--help-keys``
+    adds types, defaults and descriptions)."""
+    keys = [k.path for k in config_keys(cls)]
+    groups = [("general", [k for k in keys if "." not in k])]
+    groups += [(name, [k for k in keys if k.startswith(name + ".")]) for name, _ in sections(cls)]
+    lines = []
+    for name, members in groups:
+        lines += textwrap.wrap(", ".join(members), width=width, initial_indent=f"  {name}: ",
+                               subsequent_indent="    ", break_on_hyphens=False)  # fmt: skip
+    return "\n".join(lines)

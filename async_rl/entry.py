@@ -23,12 +23,17 @@ def first_sentence(doc: str | None) -> str:
     return text[: m.start() + 1] if m else text
 
 
-def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description,
-        epilog="Overrides are dotted config keys, e.g. run.redis_url=redis://host:6379/0 task.name=reverse; "
-               f"{prog} --help-keys lists every key with its type, default and meaning.",
-    )  # fmt: skip
+def config_parser(prog: str, description: str, cls: type | None = None) -> argparse.ArgumentParser:
+    """The parser of a role's entry point; with the role's config class ``cls`` its ``--help`` lists every key."""
+    epilog = (f"Overrides are dotted config keys, e.g. run.redis_url=redis://host:6379/0 task.name=reverse; "
+              f"{prog} --help-keys lists every key with its type, default and meaning.")  # fmt: skip
+    if cls is not None:
+        from async_rl.config_keys import keys_overview
+
+        epilog = f"config keys, by section (KEY=VALUE, or [section] tables in --config):\n{keys_overview(cls)}\n\n" + (
+            f"{prog} --help-keys lists each with its type, default and meaning.")  # fmt: skip
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--config", type=Path, default=None, help="TOML config file")
     parser.add_argument("--help-keys", action="store_true",
                         help="list every config key (type, default, description) by section and exit")  # fmt: skip

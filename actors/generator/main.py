@@ -10,8 +10,9 @@ from async_rl.entry import check_task, config_parser, parse_config, setup_loggin
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int:
-    args = config_parser(prog, "Generate scored groups of trajectories for a run.").parse_args(argv)
-    from actors.generator.config import GeneratorConfig
+    from actors.generator.config import GeneratorConfig  # light (dataclasses): --help lists its keys
+
+    args = config_parser(prog, "Generate scored groups of trajectories for a run.", GeneratorConfig).parse_args(argv)
 
     cfg = parse_config(GeneratorConfig, args, prog)
     check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
