@@ -153,6 +153,10 @@ def user_key_message(cls: type, message: str, path: str) -> str | None:
     for i in range(len(head)):
         suffix = ".".join(head[i:])
         if _has_path(cls, suffix):
+            if i and not path:  # the same config-internal prefix further on ("a.x and a.y"): the user's keys too
+                dropped = re.escape(".".join(head[:i]) + ".")
+                rest = re.sub(rf"\b{dropped}([A-Za-z_][\w.]*)",
+                              lambda k: k.group(1) if _has_path(cls, k.group(1)) else k.group(0), rest)  # fmt: skip
             return f"{path}.{suffix}{rest}" if path else f"{suffix}{rest}"
     return None
 
