@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.0,
                    help="stop once reward/exact (mean of 5 steps) reaches this; reports wall_to_target_s (0: off)")
     p.add_argument("--max-minutes", type=float, default=9.0, help="wall-clock limit")
-    p.add_argument("--run-dir", type=Path, default=None, help="default runs/bench-loop-<time>")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="a new directory (one holding a run is refused: a benchmark starts fresh); default runs/bench-loop-<time>")
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE", help="extra learner override")
     p.add_argument("--generator", action="append", default=[], metavar="KEY=VALUE", help="extra generator override")
     args = p.parse_args(argv)
