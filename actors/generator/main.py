@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
         asyncio.run(_run())
     except Exception as exc:  # a lost server or a failed long-lived task: one line, exit 1, the supervisor restarts us
         line = describe_failure(exc, cfg.run.redis_url, cfg.run.nats_url)
-        if line is None and isinstance(exc, StartupError):
+        if line is None and isinstance(exc, (StartupError, TimeoutError)) and str(exc):  # no weights in time, ...
             line = str(exc)
         if line is None and isinstance(exc, BaseExceptionGroup):
             failed = first_task_failure(exc)

@@ -66,10 +66,12 @@ def _run_mistakes(procs: Procs, servers: ServerSet, names: Names, nats, capsys) 
     say(f"wrong database: exit 1 in {took:.1f} s: {last}")
 
     # A typo in the prefix: a generator may start before its learner, so it waits, but says at once what exists.
-    procs.generator("gen-typo", f"run.prefix={names.prefix}x")
+    procs.generator("gen-typo", f"run.prefix={names.prefix}x", "weight_sync.first_version_timeout_s=3")
     procs.wait_for("the listing", lambda: f"no run '{names.prefix}x'" in procs.log("gen-typo"), 60)
     assert f"(did you mean run.prefix={names.prefix}?)" in procs.log("gen-typo")
-    procs.stop("gen-typo")
+    rc, last, _ = _wait_exit(procs, "gen-typo")  # and when its learner never comes: one line, exit 1
+    assert rc == 1 and "no usable weight version of prefix" in last and "within 3.0s" in last, last
+    assert "Traceback" not in procs.log("gen-typo")
 
     # status and audit on a prefix with no run: exit 1 and the same line, not an empty table or "OK".
     for main in (status_main, audit_main):
