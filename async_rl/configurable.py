@@ -11,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
+
+from async_rl.config_keys import unknown_keys
 
 T = TypeVar("T")
 
@@ -115,11 +118,47 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
     try:
         return cls(**kwargs)
     except ValueError as exc:
-        if isinstance(exc, ConfigError) or not path:
-            raise ConfigError(str(exc)) from exc
-        raise ConfigError(f"{path}: {exc}") from exc
+        if isinstance(exc, ConfigError):
+            raise
+        message = user_key_message(cls, str(exc), path) if path else None  # the root's own: load_config's call
+        if message is not None:
+            raise ConfigError(message) from exc
+        raise ConfigError(f"{path}: {exc}" if path else str(exc)) from exc
     except TypeError as exc:
         raise ConfigError(f"{path or cls.__name__}: {exc}") from exc
+
+
+_LEADING_KEY = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(.*)", re.S)
+
+
+def _has_path(cls: type, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return False
+        hints = typing.get_type_hints(cls)
+        if part not in hints or part not in {f.name for f in dataclasses.fields(cls)}:
+            return False
+        cls = hints[part]
+    return True
+
+
+def user_key_message(cls: type, message: str, path: str) -> str | None:
+    """``message`` of a validation error with its leading key written as the user sets it: a config's own name for
+    its field (``engine.device``, ``buffer.staleness.max_staleness``) becomes the path from the root
+    (``torch.device``, ``staleness.max_staleness``). None when the message does not start with a key of ``cls``."""
+    m = _LEADING_KEY.match(message)
+    if m is None:
+        return None
+    head, rest = m.group(1).split("."), m.group(2)
+    for i in range(len(head)):
+        suffix = ".".join(head[i:])
+        if _has_path(cls, suffix):
+            if i and not path:  # the same config-internal prefix further on ("a.x and a.y"): the user's keys too
+                dropped = re.escape(".".join(head[:i]) + ".")
+                rest = re.sub(rf"\b{dropped}([A-Za-z_][\w.]*)",
+                              lambda k: k.group(1) if _has_path(cls, k.group(1)) else k.group(0), rest)  # fmt: skip
+            return f"{path}.{suffix}{rest}" if path else f"{suffix}{rest}"
+    return None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -184,4 +223,19 @@ def load_config(cls: type[T], file: str | Path | None = None, overrides: list[st
                 raise ConfigError(f"config file {p}: {exc}") from exc
     if overrides:
         data = deep_merge(data, parse_overrides(overrides))
-    return from_dict(cls, data)
+    return config_from_data(cls, data)
+
+
+def config_from_data(cls: type[T], data: dict[str, Any]) -> T:
+    """``cls`` from the merged user data of :func:`load_config`: every unknown key named at once, and validation
+    messages naming keys as the user writes them."""
+    unknown = unknown_keys(cls, data)  # every unknown key at once, each with the key it probably meant
+    if unknown:
+        raise ConfigError(unknown)
+    try:
+        return from_dict(cls, data)
+    except ConfigError as exc:  # "learner.batch_groups must be >= 1": the key as the user writes it, batch_groups
+        message = user_key_message(cls, str(exc), "")
+        if message is None or message == str(exc):
+            raise
+        raise ConfigError(message) from exc

@@ -104,6 +104,24 @@ class Heartbeat:
     """Unix time of this heartbeat."""
 
 
+@dataclass(kw_only=True, slots=True)
+class JoinRefused:
+    """A generator refused to join the run (its model does not match the run's): sent on ``heartbeat_subject``
+    before it exits, so that the learner's log says so too."""
+
+    kind: ClassVar[Literal["join_refused"]] = "join_refused"
+    generator_id: str
+    """Unique id of the generator process."""
+    host: str = field(default_factory=socket.gethostname)
+    """Host name."""
+    pid: int = field(default_factory=os.getpid)
+    """Process id on that host."""
+    reason: str
+    """The one line the generator printed."""
+    sent_at: float = field(default_factory=time.time)
+    """Unix time of the refusal."""
+
+
 ControlAction = Literal["pause", "resume", "drain", "stop"]
 
 
@@ -193,9 +211,10 @@ class ScalingSignal:
     """Unix time of the signal."""
 
 
-Message = WeightsAnnounced | Heartbeat | Control | LearnerProgress | RunEnded | ScalingSignal
+Message = WeightsAnnounced | Heartbeat | Control | LearnerProgress | RunEnded | ScalingSignal | JoinRefused
 MESSAGE_TYPES: dict[str, type] = {
-    cls.kind: cls for cls in (WeightsAnnounced, Heartbeat, Control, LearnerProgress, RunEnded, ScalingSignal)
+    cls.kind: cls
+    for cls in (WeightsAnnounced, Heartbeat, Control, LearnerProgress, RunEnded, ScalingSignal, JoinRefused)
 }
 _TYPES_OK: dict[str, tuple[type, ...]] = {
     "int": (int,),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,12 +15,28 @@ from async_rl.configurable import ConfigError, load_config, to_dict
 T = TypeVar("T")
 
 
-def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description,
-        epilog="Overrides are dotted config keys, e.g. run.redis_url=redis://host:6379/0 task.name=reverse.",
-    )  # fmt: skip
+def first_sentence(doc: str | None) -> str:
+    """The first sentence of a module's docstring, over as many lines as it takes (a command's ``--help``
+    description: its first line alone may stop mid-sentence)."""
+    text = " ".join((doc or "").split("\n\n")[0].split())
+    m = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", text)
+    return text[: m.start() + 1] if m else text
+
+
+def config_parser(prog: str, description: str, cls: type | None = None) -> argparse.ArgumentParser:
+    """The parser of a role's entry point; with the role's config class ``cls`` its ``--help`` lists every key."""
+    epilog = (f"Overrides are dotted config keys, e.g. run.redis_url=redis://host:6379/0 task.name=reverse; "
+              f"{prog} --help-keys lists every key with its type, default and meaning.")  # fmt: skip
+    if cls is not None:
+        from async_rl.config_keys import keys_overview
+
+        epilog = f"config keys, by section (KEY=VALUE, or [section] tables in --config):\n{keys_overview(cls)}\n\n" + (
+            f"{prog} --help-keys lists each with its type, default and meaning.")  # fmt: skip
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--config", type=Path, default=None, help="TOML config file")
+    parser.add_argument("--help-keys", action="store_true",
+                        help="list every config key (type, default, description) by section and exit")  # fmt: skip
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
@@ -41,15 +58,33 @@ def public_config(cfg: Any) -> dict[str, Any]:
 
 def parse_config(cls: type[T], args: argparse.Namespace, prog: str) -> T:
     """Load and validate the config; a mistake exits with a one-line message naming the field."""
+    if getattr(args, "help_keys", False):
+        from async_rl.config_keys import render_keys
+
+        print(render_keys(cls, prog))
+        raise SystemExit(0)
     try:
         cfg = load_config(cls, args.config, args.overrides)
     except ConfigError as exc:
-        print(f"{prog}: config error: {exc}", file=sys.stderr)
+        hint = f" ({prog} --help-keys lists every key)" if str(exc).startswith("unknown config key") else ""
+        print(f"{prog}: config error: {exc}{hint}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.print_config:
         print(json.dumps(public_config(cfg), indent=2))
         raise SystemExit(0)
     return cfg
+
+
+def check_task(task_cfg: Any, prog: str) -> None:
+    """Build the task once at config time: a reward that does not import, a JSONL file that does not parse, or text
+    the tokenizer cannot encode exits 2 with one line, before any server is touched."""
+    from async_rl.tasks.config import build_task
+
+    try:
+        build_task(task_cfg)
+    except ValueError as exc:
+        print(f"{prog}: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def setup_logging(level: str, name: str) -> None:

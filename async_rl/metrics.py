@@ -83,6 +83,13 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def offline_run_dirs(wandb_dir: Path, run_id: str) -> list[Path]:
+    """Every offline directory of wandb run ``run_id`` under ``wandb_dir``, oldest first: wandb writes a new
+    ``offline-run-<time>-<id>`` on each start, a resumed learner included, and ``wandb sync`` takes them all, in
+    order, into the one run."""
+    return sorted(wandb_dir.glob(f"offline-run-*-{run_id}"))
+
+
 class MetricsLogger:
     """Logs step metrics to wandb and a JSONL file."""
 
@@ -155,5 +162,6 @@ class MetricsLogger:
             except Exception as exc:  # pragma: no cover
                 log.warning("wandb finish failed: %s", exc)
             if self.wandb_mode == "offline" and run_dir:  # .../wandb/offline-run-<time>-<id>/files
-                log.info("wandb ran offline: upload with `wandb sync %s`", Path(run_dir).parent)
+                log.info("wandb ran offline: upload with `wandb sync %s`", " ".join(
+                    str(p) for p in offline_run_dirs(Path(run_dir).parent.parent, self._run.id)))  # fmt: skip
             self._run = None

@@ -20,6 +20,7 @@ preset as such a directory, so that vLLM and transformers can load it offline.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,13 @@ def load_model(
         str(path), local_files_only=True, dtype=_dtype(dtype), attn_implementation="sdpa"
     )
     return model.to(device).eval()  # type: ignore[arg-type]
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The keyword a model's ``forward`` takes its KV cache by: ``cache`` since transformers renamed it (the old
+    ``past_key_values`` still works there, but logs a deprecation warning in every generator), else
+    ``past_key_values`` (older transformers, e.g. the vLLM virtualenv's)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def load_model_config(path_or_preset: str | Path) -> PretrainedConfig:

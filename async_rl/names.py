@@ -22,7 +22,7 @@ class Names:
 
     def __post_init__(self) -> None:
         if not _PREFIX_RE.match(self.prefix):
-            raise ValueError(f"run prefix {self.prefix!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+            raise ValueError(f"run.prefix {self.prefix!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
 
     # ---- Redis: data plane -------------------------------------------------------------
     def key(self, *parts: str | int) -> str:

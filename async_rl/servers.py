@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from async_rl.lifecycle import redact_url
+from async_rl.lifecycle import StartupError, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on ``host``:``port`` already (a bind with SO_REUSEADDR fails, as the server's
+    own would; a port in TIME_WAIT is free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host or "0.0.0.0", port))
+        except OSError:
+            return True
+    return False
 
 
 def url_reachable(url: str, timeout_s: float = 0.5) -> bool:
@@ -128,6 +140,11 @@ def _wait_listening(proc: subprocess.Popen, port: int, log_path: Path, kind: str
 
 
 def _spawn(kind: str, argv: list[str], port: int, workdir: Path, host: str = "127.0.0.1") -> subprocess.Popen:
+    if port_in_use(host, port):  # else the probe below would find the other listener and call it ours
+        shutil.rmtree(workdir, ignore_errors=True)
+        flag = "--redis-port" if kind == "valkey" else "--nats-port"
+        raise StartupError(f"port {port} in use on {host}: cannot start {kind} there ({flag} picks another; 0 takes "
+                           "a free one)")  # fmt: skip
     log_path = workdir / f"{kind}.log"
     with log_path.open("wb") as fh:
         proc = subprocess.Popen(

@@ -34,6 +34,7 @@ import secrets
 import sys
 from pathlib import Path
 
+from async_rl.entry import first_sentence
 from async_rl.names import Names
 
 ROLES = ("learner", "generator", "reader", "admin")
@@ -139,7 +140,7 @@ def write_acl(names: Names, out_dir: Path) -> tuple[Path, dict[str, Path]]:
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl acl") -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     ap.add_argument("--run", required=True, metavar="PREFIX", help="run prefix (run.prefix of the learner)")
     ap.add_argument("--out", type=Path, required=True, metavar="DIR", help="directory for users.acl and passwords")
     args = ap.parse_args(argv)

@@ -13,11 +13,12 @@ import json
 import sys
 from typing import Any
 
+from async_rl.entry import first_sentence
 from async_rl.run_config import RunConfig
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     p.add_argument("--prefix", default="async-rl", help="run prefix (run.prefix of the learner)")
     p.add_argument("--redis-url", default=None, help="Redis URL (default $ASYNC_RL_REDIS_URL)")
     p.add_argument("--fates", type=int, default=0, metavar="N", help="also print the newest N fates")
@@ -83,6 +84,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl audit") -> int:
         probe_redis(args.run.redis_url)
     except Unreachable as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    from async_rl.runs import missing_run_at
+
+    missing = missing_run_at(args.run.redis_url, args.run.prefix, key="--prefix")
+    if missing is not None:  # nothing issued is not "every issued prompt is accounted for"
+        print(f"{prog}: {missing}", file=sys.stderr)
         return 1
 
     try:

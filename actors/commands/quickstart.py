@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from async_rl.entry import first_sentence
+
 DEFAULT_LEARNER = [
     "model.name=tiny-moe", "task.name=copy", "batch_groups=32", "sampling.n=8", "torch.lr=5e-4",
     "torch.lr_schedule=cosine", "torch.lr_decay_steps=1000", "torch.lr_min_ratio=0.1", "target_metric=reward/exact",
@@ -67,7 +69,7 @@ class Progress:
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     p.add_argument("--generators", type=int, default=2, help="generator processes (default 2)")
     p.add_argument("--target-reward", type=float, default=0.9, help="stop when the exact-match rate (mean of 5 steps) reaches this")
     p.add_argument("--max-minutes", type=float, default=5.0, help="wall-clock limit")
@@ -177,10 +179,13 @@ def print_recipe(args: argparse.Namespace) -> None:
     nats_url = args.nats_url or "nats://127.0.0.1:4222"
     prefix = args.prefix
     learner, generators = recipe(args, prefix, redis_url, nats_url, args.run_dir or Path(f"runs/{prefix}"))
+    from urllib.parse import urlsplit
+
+    redis_port, nats_port = urlsplit(redis_url).port or 6379, urlsplit(nats_url).port or 4222
     lines = ["# The quickstart as separate processes (one shell each, or append ' &').",
-             "# 1. Servers, unless a Redis and a NATS already run there (each `async-rl` process can also start",
-             "#    embedded ones when given no URLs, but then the others cannot find them):",
-             "async-rl serve --no-auth --redis-port 6379 --nats-port 4222",
+             "# 1. Servers on the ports of the URLs below, unless a Redis and a NATS already run there (generators",
+             "#    need both URLs: they join an existing run and never start servers of their own):",
+             f"async-rl serve --no-auth --redis-port {redis_port} --nats-port {nats_port}",
              "# 2. The learner (stops itself at the target reward), then 3. the generators (start/stop any time):",
              # one thread: the learner and two generators share the machine's cores (as the quickstart runs them)
              "OMP_NUM_THREADS=1 " + shlex.join(["async-rl", *learner]),

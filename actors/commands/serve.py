@@ -18,9 +18,11 @@ import sys
 import threading
 from pathlib import Path
 
+from async_rl.entry import first_sentence
+
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     p.add_argument("--host", default="127.0.0.1", help="address to listen on ('0.0.0.0': every interface)")
     p.add_argument("--advertise", default=None, help="host name in the URLs (default: this host's name with 0.0.0.0)")
     p.add_argument("--redis-port", type=int, default=6379, help="Valkey port (0: a free one)")
@@ -57,7 +59,7 @@ def _password(path: Path | None) -> str:
 
 def main(argv: list[str] | None = None, prog: str = "async-rl serve") -> int:
     args = parse_args(argv, prog)
-    from async_rl.lifecycle import redact_url
+    from async_rl.lifecycle import StartupError, redact_url
     from async_rl.servers import start_nats, start_redis
 
     password = None if args.no_auth else _password(args.password_file)
@@ -65,9 +67,18 @@ def main(argv: list[str] | None = None, prog: str = "async-rl serve") -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     max_memory = int(args.max_memory_gb * 2**30) or None
-    redis = start_redis(max_memory, host=args.host, port=args.redis_port, password=password, advertise=args.advertise)
+    try:
+        redis = start_redis(max_memory, host=args.host, port=args.redis_port, password=password,
+                            advertise=args.advertise)  # fmt: skip
+    except StartupError as exc:  # "port 6379 in use on 127.0.0.1: ...": one line, before any URL is printed
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
     try:
         nats = start_nats(host=args.host, port=args.nats_port, password=password, advertise=args.advertise)
+    except StartupError as exc:
+        redis.stop()
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
     except Exception:
         redis.stop()
         raise

@@ -15,12 +15,20 @@ import sys
 import time
 from typing import Any
 
+from async_rl.entry import first_sentence
 from async_rl.run_config import RunConfig
 from buffer.prompts import PromptQueueConfig
 
+STALENESS_NOTE = ("versions behind: the learner's version now minus the weights the generator sampled with at its "
+                  "last heartbeat. staleness.max_staleness bounds something else: how many versions a group's oldest "
+                  "token lags the learner when the group is trained (groups over it are dropped and counted above).")
+"""What the generators table's "versions behind" column measures. A healthy generator can show more than S: its
+version is from its last heartbeat (every ``heartbeat_interval_s``, 2 s) and the learner's from now, so a learner
+taking several steps a second runs ahead of it between two heartbeats."""
+
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     p.add_argument("--prefix", default="async-rl", help="run prefix (run.prefix of the learner)")
     p.add_argument("--redis-url", default=None, help="Redis URL (default $ASYNC_RL_REDIS_URL)")
     p.add_argument("--nats-url", default=None, help="NATS URL (default $ASYNC_RL_NATS_URL)")
@@ -139,8 +147,8 @@ def render(snap: dict[str, Any]) -> Any:
     for col in ("issued", "trained", "dropped stale", "dead-lettered", "in flight"):
         fates.add_column(col, justify="right")
     fates.add_row(*(str(a[k]) for k in ("issued", "trained", "dropped_stale", "dead_lettered", "in_flight")))
-    gens = Table(title="generators")
-    for col in ("id", "host", "engine", "state", "version", "staleness", "tokens/s", "in flight", "last seen",
+    gens = Table(title="generators", caption=STALENESS_NOTE)
+    for col in ("id", "host", "engine", "state", "version", "versions behind", "tokens/s", "in flight", "last seen",
                 "pending prompts", "reclaimable in"):
         gens.add_column(col)
     v = int(learner.get("version", 0) or 0)
@@ -234,6 +242,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl status") -> int:
         check_servers(args.run.redis_url, args.run.nats_url)
     except Unreachable as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    from async_rl.runs import missing_run_at
+
+    missing = missing_run_at(args.run.redis_url, args.run.prefix, key="--prefix")
+    if missing is not None:  # an empty table would read as a run that has not started; say what is there
+        print(f"{prog}: {missing}", file=sys.stderr)
         return 1
     try:
         return asyncio.run(_run(args))

@@ -6,14 +6,16 @@ import logging
 import signal
 import sys
 
-from async_rl.entry import config_parser, parse_config, setup_logging
+from async_rl.entry import check_task, config_parser, parse_config, setup_logging
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int:
-    args = config_parser(prog, "Generate scored groups of trajectories for a run.").parse_args(argv)
-    from actors.generator.config import GeneratorConfig
+    from actors.generator.config import GeneratorConfig  # light (dataclasses): --help lists its keys
+
+    args = config_parser(prog, "Generate scored groups of trajectories for a run.", GeneratorConfig).parse_args(argv)
 
     cfg = parse_config(GeneratorConfig, args, prog)
+    check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
     if not cfg.run.redis_url or not cfg.run.nats_url:
         print(f"{prog}: config error: run.redis_url and run.nats_url (or ASYNC_RL_REDIS_URL / ASYNC_RL_NATS_URL) "
               "are required: a generator joins an existing run", file=sys.stderr)  # fmt: skip
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
         asyncio.run(_run())
     except Exception as exc:  # a lost server or a failed long-lived task: one line, exit 1, the supervisor restarts us
         line = describe_failure(exc, cfg.run.redis_url, cfg.run.nats_url)
-        if line is None and isinstance(exc, StartupError):
+        if line is None and isinstance(exc, (StartupError, TimeoutError)) and str(exc):  # no weights in time, ...
             line = str(exc)
         if line is None and isinstance(exc, BaseExceptionGroup):
             failed = first_task_failure(exc)

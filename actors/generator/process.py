@@ -28,12 +28,14 @@ import redis.asyncio as aioredis
 from actors.generator.config import GeneratorConfig
 from actors.generator.engine import Engine, SamplingParams
 from actors.generator.episodes import run_group
+from actors.generator.join import check_join
 from actors.generator.metrics import GeneratorMetrics
 from actors.generator.weight_sync import WeightSync
 from async_rl.control import Control, ControlPlane, Heartbeat, Message, RunEnded
 from async_rl.envs.base import EnvTask
 from async_rl.lifecycle import named_task, raise_if_cancel_requested, redact_url
 from async_rl.reach import redis_client
+from async_rl.repeated import RepeatedLine
 from async_rl.run_end import read_run_end
 from async_rl.sampling import Sampling
 from async_rl.tasks.base import Task
@@ -146,6 +148,7 @@ class Generator:
             self._on_run_end(ended)
             if self.stop_event.is_set():
                 return False
+        await check_join(cfg, self._redis, self._control)  # the run exists, the model matches: before any weight
         self._engine = await asyncio.to_thread(build_engine, cfg)
         stack.push_async_callback(self._engine.close)
         transport = make_transport(cfg.transport, cfg.run.redis_url, names)
@@ -155,6 +158,8 @@ class Generator:
         self._sync = WeightSync(self._engine, reader, names, cfg.weight_sync, self._control, where=where, gpu=gpu)
         stack.push_async_callback(self._sync.close)
         stack.push_async_callback(self._release_held)  # first of the closing steps: others may take them at once
+        if self.stop_event.is_set():  # stopped while the engine was built (request_stop had no sync to stop)
+            return False
         log.info("generator %s: engine %s ready; loading the newest weight version", cfg.generator_id, cfg.engine)
         if not await self._sync.start():  # the newest complete version is applied before the first token
             return False
@@ -273,8 +278,12 @@ class Generator:
         assert self._control is not None and self._redis is not None
         subject = self.cfg.run.names.heartbeat_subject
         last_tokens, last_t = self.num_tokens, time.monotonic()
+        failed = RepeatedLine(log, "heartbeat failed: {why} ({n}x)", level=logging.WARNING)
         while not self._done.is_set():
             raise_if_cancel_requested()  # a cancel swallowed by redis-py or wait_for must still end this loop
+            # NATS gone for good (its reconnect attempts spent): exit non-zero for the supervisor, which restarts us
+            # once NATS is back; a deaf generator logging failed heartbeats forever helps nobody.
+            self._control.check()
             now = time.monotonic()
             rate = (self.num_tokens - last_tokens) / max(now - last_t, 1e-6)
             last_tokens, last_t = self.num_tokens, now
@@ -290,7 +299,7 @@ class Generator:
                 if self._held_evals and self._evals is not None:
                     await self._evals.prompts.touch(self.cfg.generator_id, self._held_evals)
             except Exception as exc:  # retry boundary: NATS reconnects by itself, Redis is retried next beat
-                log.warning("heartbeat failed: %r", exc)
+                failed.add(why=repr(exc))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._done.wait(), self.cfg.heartbeat_interval_s)
             if self._done.is_set():

@@ -48,7 +48,7 @@ from actors.generator.param_slots import ParamSlots
 from actors.generator.queued_stream import QueuedStream, StreamAborted
 from actors.generator.sampling import sample_tokens
 from async_rl.hf_moe import RouteRecorder, find_moe_layers
-from async_rl.models import load_model
+from async_rl.models import cache_kwarg, load_model
 from async_rl.moe import route_dtype
 from async_rl.token_mask import masked_token_ids
 
@@ -515,9 +515,10 @@ class TorchEngine(Engine):
         model, version = self._step_model()
         self._ensure_recorder(model, stack)
         cache = DynamicCache(config=model.config)
+        cache_kw = cache_kwarg(model)
         out = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-            logits_to_keep=1,
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+            **{cache_kw: cache},
         )  # fmt: skip
         if routes:
             prompt_routes = self._routes_of(model).to(rdt)
@@ -547,8 +548,8 @@ class TorchEngine(Engine):
             model, version = self._step_model()
             self._ensure_recorder(model, stack)
             out = model(
-                input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None], past_key_values=cache,
-                use_cache=True,
+                input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None], use_cache=True,
+                **{cache_kw: cache},
             )  # fmt: skip
             logits = out.logits[:, -1]
             if routes:

@@ -64,7 +64,7 @@ def build_vllm_args(config: VLLMEngineConfig, facts: ModelFacts) -> VLLMArgs:
         raise ValueError("engine.routes 'hooks' needs engine.enforce_eager (compiled graphs skip Python hooks)")
     prefix_caching = (mode != "hooks") if config.enable_prefix_caching is None else config.enable_prefix_caching
     if mode == "hooks" and prefix_caching:
-        raise ValueError("engine.enable_prefix_caching must be off with routes 'hooks' (cached tokens are not run)")
+        raise ValueError("vllm.enable_prefix_caching must be off with routes 'hooks' (cached tokens are not run)")
     max_model_len = config.max_model_len or facts.max_positions or 4096
     kv_mib = config.kv_cache_mib or (DEFAULT_CPU_KV_CACHE_MIB if on_cpu else 0)
     kwargs: dict[str, Any] = dict(
@@ -89,7 +89,7 @@ def build_vllm_args(config: VLLMEngineConfig, facts: ModelFacts) -> VLLMArgs:
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     unknown = sorted(set(config.engine_args) - known)
     if unknown:
-        raise ValueError(f"engine.engine_args has fields vLLM's AsyncEngineArgs does not know: {unknown}")
+        raise ValueError(f"vllm.engine_args has fields vLLM's AsyncEngineArgs does not know: {unknown}")
     kwargs.update(config.engine_args)
     return VLLMArgs(
         engine_args=AsyncEngineArgs(**kwargs),

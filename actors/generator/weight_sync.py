@@ -229,6 +229,8 @@ class WeightSync:
         while self.staged_version < 0:
             if self._stop.is_set():
                 return False
+            if self.control is not None:
+                self.control.check()  # NATS gone for good: exit for the supervisor instead of waiting deaf
             now = time.monotonic()
             left = deadline - now
             if left <= 0:

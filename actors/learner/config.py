@@ -199,6 +199,8 @@ class LearnerConfig:
     """Steps averaged for target_reward."""
     read_block_ms: int = 500
     """How long one rollout read blocks when the stream is empty."""
+    starved_log_interval_s: float = 30.0
+    """While the learner waits for rollouts, say so this often (what it has, what it waits for, who is alive)."""
     admission_lag_versions: int = 1
     """Versions of slack for weight propagation: admission keeps (S + 1 - lag)·B prompts in flight, because a
     generator may still sample with the previous version when it takes a prompt. With lag 0 ((S+1)·B, the
@@ -219,6 +221,8 @@ class LearnerConfig:
             raise ValueError(f"learner.target_metric must be 'reward' or 'reward/<component>', got {self.target_metric!r}")
         if self.read_block_ms < 1:
             raise ValueError("learner.read_block_ms must be >= 1")
+        if not self.starved_log_interval_s > 0:
+            raise ValueError("learner.starved_log_interval_s must be > 0")
         if not 0 <= self.admission_lag_versions <= self.staleness.max_staleness:
             raise ValueError("learner.admission_lag_versions must be in [0, staleness.max_staleness]")
         if self.eval.interval_versions and self.task.name == "jsonl" and not self.task.eval_jsonl_path:

@@ -48,10 +48,14 @@ from actors.learner.samples import build_samples
 from actors.learner.signals import LearnerSignals
 from async_rl.algorithms import make_loss_fn
 from async_rl.algorithms.batch import MicroBatch, TrainSample
+from async_rl.architecture import STATE_FIELD as ARCH_FIELD
+from async_rl.architecture import architecture
+from async_rl.architecture import encode as encode_architecture
 from async_rl.control import ControlPlane, LearnerProgress, RunEnded
 from async_rl.entry import public_config
 from async_rl.metrics import MetricsLogger, read_metrics
 from async_rl.reach import redis_client
+from async_rl.repeated import RepeatedLine
 from async_rl.run_end import announce_run_end, clear_run_end
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
@@ -80,7 +84,7 @@ def target_value(metrics: dict[str, Any], name: str) -> float:
     """The step's value of ``learner.target_metric``; ValueError naming what the task reports when it is absent."""
     if name not in metrics:
         known = sorted(k for k in metrics if k == "reward" or k.startswith("reward/"))
-        raise ValueError(f"learner.target_metric {name!r} is not reported by this task (it reports {known})")
+        raise ValueError(f"target_metric {name!r} is not reported by this task (it reports {known})")
     return float(metrics[name])
 
 
@@ -114,6 +118,8 @@ class Learner:
     _pending_rows: list[tuple[int, dict[str, Any]]]
     _unexplained_failures: int
     _max_staleness_seen: int
+    _dropped_line: RepeatedLine
+    """"dropped N groups over the staleness bound": once, then a summary every 30 s, never one line per batch."""
 
     def __init__(self, cfg: LearnerConfig, backend: TrainingBackend) -> None:
         self.cfg = cfg
@@ -138,6 +144,8 @@ class Learner:
         self._pending_rows = []  # (step, metrics row) of those steps, written with their commit
         self._unexplained_failures = 0
         self._max_staleness_seen = 0
+        self._dropped_line = RepeatedLine(log, "dropped {n} groups over the staleness bound "
+                                               f"staleness.max_staleness={cfg.staleness.max_staleness}")  # fmt: skip
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -203,6 +211,7 @@ class Learner:
         await self._redis.hset(names.learner_state, mapping={
             "version": self.state.version, "step": self.state.step, "started_at": time.time(),
             "backend": cfg.backend, "model": cfg.model.name,
+            ARCH_FIELD: encode_architecture(await asyncio.to_thread(architecture, cfg.model.name)),
             LEARNER_HOLD_FIELD: cfg.checkpoint.every * cfg.batch_groups,
         })  # fmt: skip
         latest = await self._publisher.latest_version()
@@ -319,12 +328,17 @@ class Learner:
         taken: set[str] = set()
         taken_prompts: set[str] = set()
         seen = _Union(self.state.seen_group_ids, taken)
+        since = time.monotonic()
+        next_note = since + cfg.starved_log_interval_s
         while len(batch) < cfg.batch_groups and not self.stop_event.is_set():
             assert self._control is not None
             self._control.check()  # NATS gone for good: exit for the supervisor rather than train deaf
             await self._feed_prompts()
             entries = await self._reader.read(CONSUMER, cfg.batch_groups - len(batch), cfg.read_block_ms, seen=seen)
             if not entries:
+                if time.monotonic() >= next_note:  # starved: say so, and what for, instead of silence
+                    await self._note_starved(len(batch), time.monotonic() - since)
+                    next_note = time.monotonic() + cfg.starved_log_interval_s
                 continue
             fresh = []
             for e in entries:  # two deliveries of one group (or two groups of one prompt) inside a batch
@@ -339,8 +353,7 @@ class Learner:
                 v = self.state.version
                 await self._reader.ack_dropped(selection.drop, fates=[
                     (e.record.prompt_id, f"lag {v - e.record.min_version}") for e in selection.drop])  # fmt: skip
-                log.info("dropped %d groups over the staleness bound %d", len(selection.drop),
-                         cfg.staleness.max_staleness)  # fmt: skip
+                self._dropped_line.add(len(selection.drop))
             over = int(selection.metrics.get("num_over_bound", 0)) - len(selection.drop)
             if over > 0:
                 await self._reader.count("kept_stale", over)
@@ -351,6 +364,17 @@ class Learner:
             log.info("stopping with %d groups read but not trained; they stay pending", len(batch))
             return []
         return batch
+
+    async def _note_starved(self, have: int, waited_s: float) -> None:
+        assert self._prompts is not None
+        counters = await self._prompts.audit.counters()
+        alive = self._signals.generators_alive()
+        await self._signals.report_lost()
+        self._dropped_line.flush()
+        log.info("waiting for rollouts for %.0fs: %d of %d groups of step %d in hand; %d prompts issued and not yet "
+                 "returned; %d generators alive (async-rl status --prefix %s shows them)", waited_s, have,
+                 self.cfg.batch_groups, self.state.step + 1, counters["in_flight"], alive,
+                 self.cfg.run.prefix)  # fmt: skip
 
     # ------------------------------------------------------------------ training
     async def _step(self, entries: list[RolloutEntry]) -> None:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from async_rl.entry import config_parser, parse_config, save_resolved_config, setup_logging
+from async_rl.entry import check_task, config_parser, parse_config, save_resolved_config, setup_logging
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
-    args = config_parser(prog, "Train on a run's rollout stream; publish versioned weights.").parse_args(argv)
-    from actors.learner.config import LearnerConfig
+    from actors.learner.config import LearnerConfig  # light (dataclasses): --help lists its keys
+
+    args = config_parser(prog, "Train on a run's rollout stream; publish versioned weights.", LearnerConfig).parse_args(argv)
 
     cfg = parse_config(LearnerConfig, args, prog)
+    check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
     setup_logging(args.log_level, "learner")
     import asyncio
 

@@ -27,9 +27,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from actors.learner.config import LearnerConfig
-from async_rl.control import ControlPlane, Heartbeat, Message, ScalingSignal, encode
+from async_rl.control import ControlPlane, Heartbeat, JoinRefused, Message, ScalingSignal, encode
 from async_rl.prom import Exporter, Metric
 from async_rl.scaling import StarvationWindow, suggest
+from buffer.prompts import PromptQueueConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class LearnerSignals:
     _beats: dict[str, Heartbeat]
     _lost: set[str]
     """Generators already reported lost (reported again only after they come back)."""
+    _newly_lost: list[Heartbeat]
+    """Last heartbeats of generators found lost and not yet reported (:meth:`report_lost`)."""
     _batch_ready_at: float
     _waited_s: float
 
@@ -79,15 +82,20 @@ class LearnerSignals:
         self._control = None
         self._beats = {}
         self._lost = set()
+        self._newly_lost = []
         self._batch_ready_at = time.monotonic()
         self._waited_s = 0.0
 
     async def start(self, redis: aioredis.Redis, control: ControlPlane) -> None:
         self._redis, self._control = redis, control
         self.exporter.start()
-        await control.subscribe(self.cfg.run.names.heartbeat_subject, self._on_heartbeat, kinds=(Heartbeat,))
+        await control.subscribe(self.cfg.run.names.heartbeat_subject, self._on_heartbeat,
+                                kinds=(Heartbeat, JoinRefused))  # fmt: skip
 
     async def _on_heartbeat(self, msg: Message) -> None:
+        if isinstance(msg, JoinRefused):  # the generator exits with the same line; the run's own log says it too
+            log.error("generator %s (%s pid %d) refused to join: %s", msg.generator_id, msg.host, msg.pid, msg.reason)
+            return
         assert isinstance(msg, Heartbeat)
         gid, before = msg.generator_id, self._beats.get(msg.generator_id)
         self._beats[gid] = msg
@@ -112,10 +120,38 @@ class LearnerSignals:
         for gid, h in self._beats.items():
             if h.state != "stopping" and now - h.sent_at >= timeout_s and gid not in self._lost:
                 self._lost.add(gid)
-                log.warning("generator %s (%s pid %d) lost: no heartbeat for %.0fs; it held %d prompts, which other "
-                            "generators reclaim once they have been idle for prompts.reclaim_idle_ms", gid, h.host,
-                            h.pid, now - h.sent_at, h.in_flight)  # fmt: skip
+                self._newly_lost.append(h)  # reported by report_lost, with what it left pending
         return sum(1 for h in self._beats.values() if now - h.sent_at < timeout_s and h.state != "stopping")
+
+    async def report_lost(self) -> None:
+        """One line per generator found lost since the last call: how long it has been silent, the prompts it left
+        pending in the consumer group (not what its last heartbeat held: a batch may have been read since) and when
+        other generators reclaim them (after its ``prompts.reclaim_idle_ms`` of idleness)."""
+        lost, self._newly_lost = self._newly_lost, []
+        for h in lost:
+            pending, reclaim_s = await self._pending_of(h)
+            left = ("it left no prompt pending" if not pending else
+                    f"it left {pending} prompt{'s' if pending > 1 else ''} pending, which other generators reclaim "
+                    f"{'now' if reclaim_s <= 0 else f'in {reclaim_s:.0f}s'} (prompts.reclaim_idle_ms="
+                    f"{h.reclaim_idle_ms or PromptQueueConfig().reclaim_idle_ms})")  # fmt: skip
+            log.warning("generator %s (%s pid %d) lost: no heartbeat for %.0fs; %s", h.generator_id, h.host, h.pid,
+                        time.time() - h.sent_at, left)  # fmt: skip
+
+    async def _pending_of(self, h: Heartbeat) -> tuple[int, float]:
+        """Prompts ``h``'s generator holds pending, and the seconds until the last of them may be reclaimed."""
+        if self._redis is None:
+            return h.in_flight, 0.0
+        names = self.cfg.run.names
+        try:
+            rows = await self._redis.xpending_range(names.prompts_stream, names.prompts_group, min="-", max="+",
+                                                    count=10_000, consumername=h.generator_id)  # fmt: skip
+        except ResponseError:  # no stream or group yet
+            return 0, 0.0
+        if not rows:
+            return 0, 0.0
+        reclaim_ms = h.reclaim_idle_ms or PromptQueueConfig().reclaim_idle_ms
+        newest_idle_ms = min(int(r["time_since_delivered"]) for r in rows)
+        return len(rows), (reclaim_ms - newest_idle_ms) / 1000
 
     def fleet_metrics(self) -> dict[str, float]:
         """Figures of the generators for the step's metrics row: alive, tokens/s (each and together), the largest
@@ -144,6 +180,7 @@ class LearnerSignals:
             backlog = await self._backlog_groups()
             self.window.add(self._waited_s, trained_s, backlog / self.cfg.batch_groups)
             self.last = self._signal(step, backlog)
+            await self.report_lost()
             self._export(metrics, staleness, self.last)
             await self._send(self.last)
         except Exception as exc:  # informational: never stop training over it

@@ -37,7 +37,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"learner.torch.device is {device!r} but no CUDA device is available")
+        raise ValueError(f"torch.device is {device!r} but no CUDA device is available")
     return torch.device(device)
 
 MODEL_FILE = "model.pt"

@@ -16,6 +16,8 @@ from __future__ import annotations
 import abc
 import importlib
 import math
+import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,21 +89,27 @@ def row_of(index: int, num_rows: int, seed: int, shuffle: bool) -> int:
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Import ``module:function`` (``module`` importable from ``sys.path``); ValueError saying what is wrong."""
+    """Import ``module:function`` from the working directory or ``sys.path`` (a ``myreward.py`` beside the command
+    is found without ``PYTHONPATH=.``); ValueError saying what is wrong."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward function must be named 'module:function', got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # after everything else: a file here never shadows an installed package
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+        raise ValueError(f"task.reward {spec!r}: cannot import module {module_name!r} from the working directory "
+                         f"{cwd} or sys.path ({exc}); run from the directory holding {module_name.split('.')[0]}.py, "
+                         "or add its directory to PYTHONPATH") from exc  # fmt: skip
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"reward function {spec!r}: {module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"task.reward {spec!r}: {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"reward function {spec!r} is not callable (it is a {type(obj).__name__})")
+        raise ValueError(f"task.reward {spec!r} is not callable (it is a {type(obj).__name__})")
     return obj
 
 

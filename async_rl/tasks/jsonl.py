@@ -123,7 +123,10 @@ class JsonlTask(Task):
                     else self._tokenizer(text, add_special_tokens=False).input_ids
                 )
             except ValueError as exc:
-                raise ValueError(f"{where}: {exc}") from exc
+                hint = ("; the presets' toy tokenizer knows digits only: a text task needs task.tokenizer, a Hugging "
+                        "Face model directory (the model's own: model.name / torch.model.name), see docs/tasks.md"
+                        ) if self._tokenizer is None else ""  # fmt: skip
+                raise ValueError(f"{where}: {exc}{hint}") from exc
             if bos is not None:
                 ids = [bos, *ids]
         else:

@@ -12,6 +12,7 @@ from async_rl.control import (
     ControlPlane,
     ControlPlaneConfig,
     Heartbeat,
+    JoinRefused,
     LearnerProgress,
     Message,
     MessageError,
@@ -32,6 +33,7 @@ def test_every_message_kind_round_trips() -> None:
         Control(action="drain", target="g1", reason="scale down"),
         LearnerProgress(step=7, version=3, metrics={"reward": 0.5, "loss": 1.25}),
         RunEnded(step=40, version=40, reason="max_steps"),
+        JoinRefused(generator_id="g2", reason="model 'small-moe' does not match run 'mc'"),
         ScalingSignal(step=9, wait_share=0.4, backlog_groups=3, backlog_batches=0.375, generators=2,
                       suggested_generators=4, decision="up", reason="wait share 0.40 > 0.20"),
     ]

@@ -15,7 +15,7 @@ def test_target_metric_is_the_reward_or_a_reward_component() -> None:
     cfg = load_config(LearnerConfig, None, [*URLS, "target_reward=0.9", "target_metric=reward/exact"])
     assert cfg.target_metric == "reward/exact" and load_config(LearnerConfig, None, URLS).target_metric == "reward"
     for bad in ("loss", "reward/", "exact"):
-        with pytest.raises(ConfigError, match="learner.target_metric must be 'reward' or 'reward/<component>'"):
+        with pytest.raises(ConfigError, match="^target_metric must be 'reward' or 'reward/<component>'"):
             load_config(LearnerConfig, None, [*URLS, f"target_metric={bad}"])
 
 

@@ -9,7 +9,7 @@ from actors.commands.quickstart import main, parse_args, plot_rewards
 
 def test_bad_override_fails_before_anything_starts(capsys) -> None:
     assert main(["--learner", "batch_groups=0", "--quiet"]) == 2
-    assert "learner.batch_groups must be >= 1" in capsys.readouterr().err
+    assert "config error: batch_groups must be >= 1" in capsys.readouterr().err  # the key as the user gives it
     assert main(["--generator", "nonsense.key=1", "--quiet"]) == 2
     assert "unknown config key" in capsys.readouterr().err
 
@@ -33,3 +33,4 @@ def test_the_recipe_reports_and_stops_on_the_exact_match_rate() -> None:
 
     assert HEADLINE == "reward/exact" and f"target_metric={HEADLINE}" in DEFAULT_LEARNER
     assert "torch.lr_schedule=cosine" in DEFAULT_LEARNER  # a constant lr collapses once solved (issue 21)
+

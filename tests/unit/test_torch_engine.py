@@ -20,7 +20,7 @@ from actors.generator.engine import SamplingParams
 from actors.generator.sampling import sample_tokens
 from actors.generator.torch_engine import TorchEngine
 from async_rl import tokenizer as tt
-from async_rl.models import build_model, save_pretrained_dir, tiny_moe_config
+from async_rl.models import build_model, cache_kwarg, save_pretrained_dir, tiny_moe_config
 from async_rl.token_mask import mask_logits, masked_token_ids
 
 LOGPROB_ATOL = 1e-4
@@ -216,11 +216,11 @@ async def test_versions_and_outputs_across_a_midsequence_swap():
             cache = DynamicCache(config=cfg)
             prefix = torch.from_numpy(np.concatenate([prompt, c.token_ids[:at]]).astype(np.int64))[None]
             with torch.inference_mode():
-                old_model(prefix, past_key_values=cache, use_cache=True)
+                kw = cache_kwarg(old_model)  # ``cache`` in this transformers (``past_key_values`` is deprecated)
+                old_model(prefix, use_cache=True, **{kw: cache})
                 for j in range(at, max_new - 1):
                     out = new_model(
-                        torch.tensor([[int(c.token_ids[j])]]), past_key_values=cache, use_cache=True,
-                        output_router_logits=True,
+                        torch.tensor([[int(c.token_ids[j])]]), use_cache=True, output_router_logits=True, **{kw: cache},
                     )  # fmt: skip
                     masked = torch.tensor(masked_token_ids("tiny-moe"))
                     lp = torch.log_softmax(mask_logits(out.logits[0, -1].float(), masked), -1)
@@ -506,3 +506,22 @@ async def test_tied_embeddings_load_under_either_name():
     with pytest.raises(ValueError, match="incomplete"):
         engine.stage_weights({k: v for k, v in src.items() if "embed_tokens" not in k and k != "lm_head.weight"}, 3)
     await engine.close()
+
+
+def test_generation_logs_no_deprecation_warning() -> None:
+    """The KV cache goes by the keyword this transformers names it (``cache``): the ``past_key_values ... deprecated``
+    line no longer lands in every generator's log (a fresh process: transformers warns once per process)."""
+    import subprocess
+    import sys
+
+    code = ("import asyncio, numpy as np\n"
+            "from actors.generator.config import TorchEngineConfig\n"
+            "from actors.generator.engine import SamplingParams\n"
+            "from actors.generator.torch_engine import TorchEngine\n"
+            "e = TorchEngine(TorchEngineConfig())\n"
+            "out = asyncio.run(e.generate([np.array([1, 5, 6], dtype=np.int32)], SamplingParams(n=2, max_new_tokens=4)))\n"
+            "assert len(out[0]) == 2\n"
+            "e.close() if not asyncio.iscoroutinefunction(e.close) else asyncio.run(e.close())\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "deprecated" not in out.stderr.lower(), out.stderr

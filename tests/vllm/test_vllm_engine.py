@@ -386,5 +386,5 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         VLLMEngine(VLLMEngineConfig(model=ModelConfig(name=str(odd))))
     with pytest.raises(ValueError, match="engine.routes 'native'"):
         VLLMEngine(VLLMEngineConfig(model=ModelConfig(name="small-moe"), work_dir=str(tmp_path), routes="native"))
-    with pytest.raises(ValueError, match="engine.engine_args"):
+    with pytest.raises(ValueError, match="vllm.engine_args"):
         VLLMEngine(VLLMEngineConfig(model=ModelConfig(name="small-moe"), work_dir=str(tmp_path), engine_args={"x": 1}))

@@ -25,6 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from async_rl.entry import first_sentence
+
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 """Dense bf16 tensor-core peaks from the vendors' datasheets (SXM parts unless named), first match wins."""
 
@@ -80,7 +82,7 @@ def _time_steps(step, warmup: int, steps: int) -> list[float]:  # type: ignore[n
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)

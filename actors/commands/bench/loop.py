@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from async_rl.entry import first_sentence
+
 MODELS = ("tiny-moe", "small-moe", "moe-107m", "moe-1.6b")
 """Presets (``async_rl/models.py``); any other value: a model directory."""
 LEARNER_DEFAULTS = ["task.name=copy", "batch_groups=32", "sampling.n=8", "checkpoint.every=10",
@@ -51,7 +53,7 @@ early stop and the quickstart count it)."""
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     p.add_argument("--json", type=Path, required=True, help="write the summary here")
     p.add_argument("--steps", type=int, default=30, help="learner steps (default 30)")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of the rates (start-up, compilation)")
@@ -64,7 +66,8 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.0,
                    help="stop once reward/exact (mean of 5 steps) reaches this; reports wall_to_target_s (0: off)")
     p.add_argument("--max-minutes", type=float, default=9.0, help="wall-clock limit")
-    p.add_argument("--run-dir", type=Path, default=None, help="default runs/bench-loop-<time>")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="a new directory (one holding a run is refused: a benchmark starts fresh); default runs/bench-loop-<time>")
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE", help="extra learner override")
     p.add_argument("--generator", action="append", default=[], metavar="KEY=VALUE", help="extra generator override")
     p.add_argument("--generator-devices", default="",
@@ -228,10 +231,24 @@ def tracebacks(run_dir: Path) -> list[str]:
     return found
 
 
+def held_run(run_dir: Path | None) -> str | None:
+    """The refusal of a ``--run-dir`` that holds a run already (its learner would resume it, and a finished one
+    trains 0 steps): a benchmark measures a fresh run."""
+    pointer = None if run_dir is None else run_dir / "checkpoints" / "latest"
+    if pointer is None or not pointer.is_file():
+        return None
+    return (f"--run-dir {run_dir} holds a run already (checkpoint {pointer.read_text().strip()}); a benchmark starts "
+            "fresh: give a new --run-dir, or leave it out for runs/bench-loop-<time>")
+
+
 def main(argv: list[str] | None = None, prog: str = "async-rl bench loop") -> int:
     from actors.commands.bench.report import emit
 
     args = parse_args(argv, prog)
+    held = held_run(args.run_dir)
+    if held:
+        print(f"{prog}: {held}", file=sys.stderr)
+        return 2
     summary = asyncio.run(run_loop(args))
     emit(summary, args.json, print_skip=("reward_curve",))
     done = summary["steps"] >= args.steps or (args.target and summary.get("wall_to_target_s") is not None)

@@ -28,6 +28,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from async_rl.entry import first_sentence
+
 FIELDS = {"wall_to_0_9_s": "wall_to_target_s", "steps_to_0_9": "steps_to_target",
           **{k: k for k in ("learner_tokens_per_s", "generator_tokens_per_s", "learner_idle_frac", "generator_idle_frac",
                             "tokens_by_staleness")}}  # fmt: skip
@@ -38,7 +40,7 @@ OWN_KEYS = ("model.name", "task.name", "torch.device", "metrics.wandb_mode", "st
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--plot", type=Path, default=None, help="exact-match rate against wall time, one line per run")
     p.add_argument("--plot-only", action="store_true", help="redraw --plot from an existing --json and exit")

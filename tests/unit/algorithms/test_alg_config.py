@@ -104,7 +104,7 @@ def test_overrides_build_nested_sections() -> None:
 )
 def test_invalid_values_name_the_dotted_field(data: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as exc:
-        from_dict(AlgorithmConfig, data)
+        from_dict(AlgorithmConfig, data, "algorithm")  # as the learner builds it: keys named from its root
     assert needle in str(exc.value)
 
 

@@ -159,8 +159,12 @@ def test_from_skyrl_through_the_config_loader(tmp_path: Path) -> None:
     # the resolved config, saved with the run, loads back
     assert from_dict(AlgorithmConfig, json.loads(json.dumps(to_dict(cfg)))) == cfg
     # a section set beside from_skyrl is refused rather than silently overwritten
-    with pytest.raises(ConfigError, match="algorithm.loss and algorithm.from_skyrl are both set"):
+    with pytest.raises(ConfigError, match="^loss and from_skyrl are both set"):  # its keys, from its own root
         load_config(AlgorithmConfig, overrides=[f"from_skyrl={FIXTURE}", "loss.type=ppo"])
+    from actors.learner.config import LearnerConfig
+
+    with pytest.raises(ConfigError, match="^algorithm.loss and algorithm.from_skyrl are both set"):  # the learner's
+        load_config(LearnerConfig, overrides=[f"algorithm.from_skyrl={FIXTURE}", "algorithm.loss.type=ppo"])
     with pytest.raises(ConfigError, match="is not a file"):
         load_config(AlgorithmConfig, overrides=[f"from_skyrl={tmp_path / 'missing.yaml'}"])
 

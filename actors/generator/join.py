@@ -1,0 +1,56 @@
+"""Joining a run: checked before the engine is built or any weight fetched, so a wrong setting ends in seconds.
+
+- **The run exists** at this Redis and prefix (:mod:`async_rl.runs`). A generator may start before its learner,
+  so a prefix with no run is waited for, saying at once which runs the Redis holds (a typo is offered as "did you
+  mean"); a prefix that lives in another database of the same server is a mistake, and the generator exits.
+- **The model matches the run's** (:mod:`async_rl.architecture`): the learner wrote its architecture into its
+  state; a generator with another one (``small-moe`` against ``tiny-moe``) tells the learner
+  (:class:`~async_rl.control.JoinRefused`) and exits non-zero with one line naming the differences and the key to
+  set, instead of refusing every version it fetches.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from async_rl import architecture as arch
+from async_rl.control import ControlPlane, JoinRefused
+from async_rl.lifecycle import StartupError
+from async_rl.runs import missing_run
+
+log = logging.getLogger(__name__)
+
+
+def model_key(cfg: Any) -> str:
+    """The generator's key of its model name (``torch.model.name`` or ``vllm.model.name``)."""
+    return f"{cfg.engine}.model.name"
+
+
+async def check_join(cfg: Any, redis: Any, control: ControlPlane) -> None:
+    """Raise :class:`StartupError` (one line) when this generator cannot serve the run (module docstring)."""
+    names = cfg.run.names
+    missing = await missing_run(redis, cfg.run.redis_url, cfg.run.prefix)
+    if missing is not None:
+        if missing.other_db is not None:  # the right prefix in the wrong database: no learner will come here
+            raise StartupError(missing.line)
+        log.warning("%s; waiting for its learner (up to weight_sync.first_version_timeout_s=%.0fs)", missing.line,
+                    cfg.weight_sync.first_version_timeout_s)  # fmt: skip
+        return
+    raw = await redis.hmget(names.learner_state, [arch.STATE_FIELD, "model"])
+    run_arch, run_model = arch.decode(raw[0]), (raw[1] or b"?").decode()
+    if run_arch is None:
+        return  # a learner that does not publish its architecture: the weights' own checks still apply
+    model = getattr(cfg, cfg.engine).model.name
+    diffs = arch.differences(arch.architecture(model), run_arch)
+    if not diffs:
+        return
+    line = (f"model {model!r} does not match run {cfg.run.prefix!r}, whose learner trains {run_model!r}: "
+            f"{'; '.join(diffs[:3])}{'; ...' if len(diffs) > 3 else ''} (set {model_key(cfg)} to the learner's "
+            "model.name or a model of the same architecture)")  # fmt: skip
+    try:
+        await control.publish(names.heartbeat_subject, JoinRefused(generator_id=cfg.generator_id, reason=line))
+        await control.flush(2.0)
+    except Exception as exc:  # informational: the generator's own line is what matters
+        log.debug("telling the learner failed: %r", exc)
+    raise StartupError(line)
