@@ -6,11 +6,12 @@ The marking convention: an HTML comment on the line right before a block's openi
 - ``config ROLE [FILE]``: a TOML block, parsed and validated by ROLE's config class (``learner``, ``generator``);
   with FILE (from the repository root) the block must be that file's content, so a sample file and the page
   that shows it cannot drift apart;
-- ``command [cwd=DIR]``: every ``async-rl ...`` line is parsed dry by the real argument parser of its subcommand,
+- ``command [cwd=DIR] [made=DIR,...]``: every ``async-rl ...`` line is parsed dry by the real argument parser of its subcommand,
   and a learner's or generator's config (``--config`` file and ``key=value`` overrides, and the overrides in
   ``LEARNER_ARGS=`` / ``GENERATOR_ARGS=``) is loaded and validated by the real config classes; nothing starts.
   Other lines (``pip``, ``git``, ``sbatch``) are not run. Placeholder model directories (``/models/my-moe``) are
-  made, empty, in a temporary directory for the check;
+  made, empty, in a temporary directory for the check, and so are the ``made`` directories (what the block's
+  earlier commands write, e.g. a run directory or ``async-rl init-model``'s model, that later ones read);
 - ``run [cwd=DIR]``: the block's ``async-rl`` lines are executed (cheap ones only) and must exit 0;
 - ``skip REASON``: not checked, and the reason says why.
 
@@ -145,8 +146,18 @@ def _real(value: Any, root: Path) -> Any:
 
 def _commands(text: str) -> list[list[str]]:
     """The block's command lines as argv lists: continuations joined, ``&&`` / ``;`` split, a pipe's first command
-    kept, ``$VAR`` expanded (:data:`ENV`), a trailing ``&`` dropped."""
+    kept, ``$VAR`` expanded (the block's own ``NAME="..."`` assignments, then :data:`ENV`; an unquoted one splits into
+    words as the shell does), a trailing ``&`` dropped."""
     joined = re.sub(r"\\\n\s*", " ", text)
+    local: dict[str, str] = {}
+
+    def expand(word: str) -> list[str]:
+        for name, value in local.items():
+            if word == f"${name}":
+                return value.split()
+            word = word.replace(f"${{{name}}}", value).replace(f"${name}", value)
+        return [os.path.expandvars(word)]
+
     out = []
     for line in joined.splitlines():
         line = line.strip()
@@ -154,7 +165,11 @@ def _commands(text: str) -> list[list[str]]:
             continue
         for part in re.split(r"\s+(?:&&|\|\||;)\s+|;\s*", line):
             with contextlib.suppress(ValueError):
-                words = [os.path.expandvars(w) for w in shlex.split(part.split(" | ")[0], comments=True)]
+                raw = shlex.split(part.split(" | ")[0], comments=True)
+                if len(raw) == 1 and (m := re.match(r"^([A-Za-z_]\w*)=(.*)$", raw[0], flags=re.S)):
+                    local[m.group(1)] = " ".join(w for v in m.group(2).split() for w in expand(v))
+                    continue
+                words = [w for raw_word in raw for w in expand(raw_word)]
                 out.append([w for w in words if w != "&"])
     return out
 
@@ -239,9 +254,14 @@ def _env_args(argv: list[str]) -> list[tuple[str, list[str]]]:
 def test_command_blocks_parse(block: Block, placeholders: Path) -> None:
     _, opts = _options(block.args)
     cwd = ROOT / opts.get("cwd", ".")
+    made = [d for d in opts.get("made", "").split(",") if d]
+    for d in made:
+        (placeholders / "made" / d).mkdir(parents=True, exist_ok=True)
     checked, problems = 0, []
     for argv in _commands(block.text):
         argv = _real(argv, placeholders)
+        for d in made:  # the block's own products, as they would be by then
+            argv = [re.sub(rf"(?<![\w./-]){re.escape(d)}(?=$|/)", str(placeholders / "made" / d), w) for w in argv]
         for role, overrides in _env_args(argv):
             checked += 1
             if (why := _check_role(role, overrides, cwd, placeholders)) is not None:
