@@ -115,3 +115,34 @@ def test_bench_flags_are_checked_before_the_gpu_is_asked_for() -> None:
         main(["--preset", "qwen3-30b-a3b-slice", "--min-seq", "9000"])
     with pytest.raises(SystemExit, match="--layers must be > 0"):
         main(["--preset", "qwen3-30b-a3b-slice", "--layers", "0"])
+    with pytest.raises(SystemExit, match="--logprob-chunk-tokens takes integers"):
+        main(["--preset", "qwen3-30b-a3b-slice", "--logprob-chunk-tokens", "0,big"])
+
+
+def test_a_tiny_slice_step_is_cut_counted_and_trains_on_the_cpu() -> None:
+    """The bench's step on a tiny config of the preset's kind: the micro-batches' padding is padding_frac's, the
+    routes are the model's, and the torch backend trains on them with chunked and full logits alike."""
+    from actors.commands.bench.backends import step_micro_batches
+    from actors.learner.config import TorchBackendConfig
+    from actors.learner.megatron.toy import build_hf, nll_loss
+    from actors.learner.torch_backend import TorchBackend
+
+    cfg = _slice_config(layers=2, hidden=64, experts=8, top_k=2, moe_ffn=16, heads=4, kv_heads=2, head_dim=16,
+                        vocab=96, seq=64)  # fmt: skip
+    lengths = sequence_lengths(7, distribution="lognormal", min_len=12, max_len=48, seed=0)
+    hf = build_hf(cfg, device="cpu")
+    groups, mbs = step_micro_batches(hf, lengths, micro_batch_tokens=96)
+    assert len(mbs) > 1 and sorted(n for g in groups for n in g) == sorted(lengths)
+    slots = sum(m.attention_mask.numel() for m in mbs)
+    real = sum(int(m.attention_mask.sum()) for m in mbs)
+    assert real == sum(lengths) and padding_frac(groups) == pytest.approx(1 - real / slots)
+    assert all(r is not None and r.shape[1:] == (2, 2) for m in mbs for r in m.routes)
+    updates = []
+    for chunk in (0, 16):
+        model = build_hf(cfg, device="cpu")
+        tb = TorchBackend(model, TorchBackendConfig(device="cpu", lr=1e-3, logprob_chunk_tokens=chunk))
+        before = model.lm_head.weight.detach().clone()
+        res = tb.train_step(mbs, nll_loss, replay_routes=True)
+        assert res.num_tokens == real and res.metrics["step_skipped"] == 0.0
+        updates.append(model.lm_head.weight.detach() - before)
+    torch.testing.assert_close(updates[0], updates[1], rtol=1e-4, atol=1e-7)

@@ -50,6 +50,23 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
+def step_micro_batches(hf, lengths: list[int], micro_batch_tokens: int) -> tuple[list[list[int]], list[Any]]:  # type: ignore[no-untyped-def]
+    """The step's micro-batches of random tokens of these lengths (8-token prompts, the rest response), cut as the
+    learner cuts them, each with the routes ``hf`` (a transformers Qwen3-MoE) takes on it; and their lengths."""
+    from actors.learner.batching import group_by_budget
+    from actors.learner.config import BatchingConfig
+    from actors.learner.megatron.toy import hf_routes, make_batch, with_routes
+
+    cut = group_by_budget(lengths, BatchingConfig(micro_batch_tokens=micro_batch_tokens))
+    groups = [[lengths[i] for i in g] for g in cut]
+    total = sum(n - 8 for n in lengths)  # step-global response tokens: the loss's denominator
+    mbs = []
+    for i, g in enumerate(groups):
+        mb = make_batch(hf.config, g, seed=100 + i, step_num_tokens=total)
+        mbs.append(with_routes(mb, hf_routes(hf, mb)))
+    return groups, mbs
+
+
 def _profile(step, label: str) -> None:  # type: ignore[no-untyped-def]
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -110,8 +127,9 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
     ap.add_argument("--default-settings-only", action="store_true",
                     help="only Megatron with SDPA + grouped experts and torch without checkpointing (large models: "
                          "the sequential-experts settings take minutes a step)")
-    ap.add_argument("--logprob-chunk-tokens", type=int, default=0,
-                    help="the torch backend's learner.torch.logprob_chunk_tokens (0: full logits)")
+    ap.add_argument("--logprob-chunk-tokens", default=None,
+                    help="comma-separated values of the torch backend's learner.torch.logprob_chunk_tokens, a row "
+                         "each (0: the full logits; default: the backend's default)")
     args = ap.parse_args(argv)
     defaults: dict[str, Any] = dict(layers=8, hidden=1024, experts=32, top_k=4, moe_ffn=512, head_dim=64, vocab=32768,
                                     dense_first=1, seq=1024, lengths="fixed", batch=8, micro_batches=2)  # fmt: skip
@@ -130,6 +148,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
             raise SystemExit(f"{prog}: --{name.replace('_', '-')} must be > 0")
     if args.min_seq > args.seq or args.min_seq <= 8:
         raise SystemExit(f"{prog}: --min-seq must be in (8, --seq], got {args.min_seq}")
+    try:
+        chunk_sizes = [int(x) for x in (args.logprob_chunk_tokens or "").split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{prog}: --logprob-chunk-tokens takes integers, got {args.logprob_chunk_tokens!r}") from None
+    if any(c < 0 for c in chunk_sizes):
+        raise SystemExit(f"{prog}: --logprob-chunk-tokens must be >= 0")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or any(b not in ("megatron", "torch") for b in backends):
         raise SystemExit(f"{prog}: --backends takes megatron and/or torch, got {args.backends!r}")
@@ -138,9 +162,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
 
     if not torch.cuda.is_available():
         raise SystemExit(f"{prog}: needs a CUDA GPU")
-    from actors.learner.batching import group_by_budget
-    from actors.learner.config import BatchingConfig
-    from actors.learner.megatron.toy import build_hf, hf_routes, make_batch, nll_loss, toy_config, with_routes
+    from actors.learner.megatron.toy import build_hf, nll_loss, toy_config
 
     cfg = toy_config(num_layers=args.layers, dense_first=bool(args.dense_first), vocab_size=args.vocab,
                      hidden_size=args.hidden, num_experts=args.experts, top_k=args.top_k, moe_ffn=args.moe_ffn,
@@ -148,16 +170,10 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
                      max_len=max(args.seq, 1024))  # fmt: skip
     lengths = sequence_lengths(args.sequences, distribution=args.lengths, min_len=args.min_seq, max_len=args.seq,
                                seed=args.length_seed)  # fmt: skip
-    groups = [[lengths[i] for i in g]
-              for g in group_by_budget(lengths, BatchingConfig(micro_batch_tokens=args.micro_batch_tokens))]  # fmt: skip
     hf = build_hf(cfg, dtype=torch.bfloat16, device="cuda")
     hf_config = hf.config
     experts_impl = getattr(hf_config, "_experts_implementation", None)
-    total = sum(n - 8 for n in lengths)  # make_batch's prompts are 8 tokens: the rest are response tokens
-    mbs = []
-    for i, g in enumerate(groups):
-        mb = make_batch(cfg, g, seed=100 + i, step_num_tokens=total)
-        mbs.append(with_routes(mb, hf_routes(hf, mb)))
+    groups, mbs = step_micro_batches(hf, lengths, args.micro_batch_tokens)
     tokens = sum(int(m.attention_mask.sum()) for m in mbs)  # real tokens (prompt + response), no padding
     pad = padding_frac(groups)  # one GPU: neither backend pads beyond the micro-batch's longest row
     fpt = model_flops_per_token(cfg, lengths)
@@ -204,19 +220,21 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
         from actors.learner.config import TorchBackendConfig
         from actors.learner.torch_backend import TorchBackend
 
+        chunk_settings = chunk_sizes or [TorchBackendConfig().logprob_chunk_tokens]
         for ckpt in (False,) if args.default_settings_only else (False, True):
-            torch.cuda.reset_peak_memory_stats()
-            model = build_hf(cfg, dtype=torch.bfloat16, device="cuda")
-            tb = TorchBackend(model, TorchBackendConfig(dtype="bfloat16", device="cuda", lr=1e-5,
-                                                        gradient_checkpointing=ckpt,
-                                                        logprob_chunk_tokens=args.logprob_chunk_tokens))  # fmt: skip
-            times = _time_steps(lambda tb=tb: tb.train_step(mbs, nll_loss, replay_routes=True), args.warmup, args.steps)
-            chunks = f", logprob chunks {args.logprob_chunk_tokens}" if args.logprob_chunk_tokens else ""
-            record("torch", f"HF model, replay, recompute={ckpt}{chunks}", times)
-            if args.profile and not ckpt:
-                _profile(lambda tb=tb: tb.train_step(mbs, nll_loss, replay_routes=True), "torch")
-            del tb, model
-            torch.cuda.empty_cache()
+            for chunk in chunk_settings:
+                torch.cuda.reset_peak_memory_stats()
+                model = build_hf(cfg, dtype=torch.bfloat16, device="cuda")
+                tb = TorchBackend(model, TorchBackendConfig(dtype="bfloat16", device="cuda", lr=1e-5,
+                                                            gradient_checkpointing=ckpt, logprob_chunk_tokens=chunk))  # fmt: skip
+                times = _time_steps(lambda tb=tb: tb.train_step(mbs, nll_loss, replay_routes=True), args.warmup,
+                                    args.steps)  # fmt: skip
+                logits = f"logprob chunks of {chunk}" if chunk else "full logits"
+                record("torch", f"HF model, replay, recompute={ckpt}, {logits}", times)
+                if args.profile and not ckpt and chunk == chunk_settings[0]:
+                    _profile(lambda tb=tb: tb.train_step(mbs, nll_loss, replay_routes=True), "torch")
+                del tb, model
+                torch.cuda.empty_cache()
     result = {
         "bench": "backends", "date": datetime.now(UTC).isoformat(timespec="seconds"), "device": dev,
         "peak_bf16_flops": peak, "python": platform.python_version(), "torch": torch.__version__,
