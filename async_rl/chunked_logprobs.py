@@ -4,8 +4,10 @@ The full fp32 logits of a step, ``[tokens, vocab]``, dominate a learner's peak m
 vocabularies (8k tokens x 151,936 x 4 bytes = 5 GB, then the softmax and its gradient as much
 again). :func:`chunked_token_logprobs` computes ``log p(target)`` and the entropy of the predictive
 distribution ``chunk_tokens`` tokens at a time, and its backward recomputes each chunk's logits
-rather than keeping them: the extra memory is a few ``chunk_tokens x vocab`` fp32 buffers (plus
-an fp32 accumulator of the head's gradient when the head is in a low-precision dtype).
+rather than keeping them: the extra memory is one or two ``chunk_tokens x vocab`` fp32 buffers at a time
+(two when an entropy gradient flows; plus the chunk's logits in the head's dtype while they are cast),
+and an fp32 accumulator of the head's gradient when the head is in a low-precision dtype. The price is
+the head's matmul once more per chunk in backward.
 
 The logits of a chunk are treated exactly as the full-logits path treats them: the head's matmul in
 its own dtype, cast to fp32, the sampling mask applied (:func:`async_rl.token_mask.mask_logits`: masked
@@ -16,14 +18,20 @@ from __future__ import annotations
 
 import torch
 
-from async_rl.token_mask import mask_logits
+from async_rl.token_mask import MASKED_LOGIT
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, masked_ids: torch.Tensor | None, temperature: float
             ) -> torch.Tensor:  # fmt: skip
+    """One chunk's fp32 (fp64 for fp64 inputs, for gradcheck) logits, masked and tempered in place: the values of
+    the full-logits path (``mask_logits`` then ``/ temperature``) without their copies."""
     z = h @ weight.t()
-    z = mask_logits(z if z.dtype == torch.float64 else z.float(), masked_ids)  # float64 kept for gradcheck
-    return z / temperature if temperature != 1.0 else z
+    z = z if z.dtype == torch.float64 else z.float()
+    if masked_ids is not None:
+        z.index_fill_(-1, masked_ids, MASKED_LOGIT)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -65,11 +73,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, n, ctx.chunk):
             e = min(s + ctx.chunk, n)
             logp = _logits(hidden[s:e], weight, ctx.masked_ids, ctx.temperature).sub_(lse[s:e].unsqueeze(-1))
-            p = logp.exp()
             # d log p(y) / dz = onehot(y) - p;  d H / dz = -p * (log p + H)
-            coef = g_lp[s:e].unsqueeze(-1).expand_as(p)
-            if use_ent:
+            coef = g_lp[s:e].unsqueeze(-1)
+            if use_ent and g_ent is not None:
+                p = logp.exp()
                 coef = logp.add_(ent[s:e].unsqueeze(-1)).mul_(g_ent[s:e].unsqueeze(-1)).add_(coef)
+            else:
+                p = logp.exp_()  # one chunk x vocab buffer when no entropy gradient flows
             gz = p.mul_(coef).neg_()
             del logp, coef
             gz.scatter_add_(-1, targets[s:e].unsqueeze(-1), g_lp[s:e].unsqueeze(-1).to(gz.dtype))

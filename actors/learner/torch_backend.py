@@ -72,7 +72,8 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 
 def linear_head(model: nn.Module) -> nn.Linear | None:
     """The bias-free LM head when ``model``'s logits are exactly ``head(base_model(...).last_hidden_state)``, else None."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Linear) or head.bias is not None or getattr(model, "base_model", model) is model:
         return None
     cfg = getattr(model, "config", None)
@@ -89,7 +90,8 @@ def chunked_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """:func:`token_logprobs`' ``[B, T]`` outputs from the last hidden states of the real positions, through
     :func:`async_rl.chunked_logprobs.chunked_token_logprobs` (no ``[B, T, V]`` logits)."""
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)[0]
+    base: nn.Module = getattr(model, "base_model")  # noqa: B009 - nn.Module's __getattr__ types it as a Tensor
+    hidden = base(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)[0]
     valid = attention_mask[:, 1:].bool()
     lp, ent = chunked_token_logprobs(hidden[:, :-1][valid], head.weight, input_ids[:, 1:][valid],
                                      chunk_tokens=chunk_tokens, temperature=temperature, masked_ids=masked_ids,
