@@ -198,6 +198,9 @@ def test_chunked_logprobs_equal_the_full_logits_in_forward_and_training(dense: b
         backends[chunk] = _backend(model, lr=1.0, eps=1.0, temperature=0.7, masked_token_ids=(0,),
                                    logprob_chunk_tokens=chunk)  # fmt: skip
     assert linear_head(backends[4].model) is not None  # the chunked path runs, not the fallback
+    capped = _dense_model()
+    capped.config.final_logit_softcapping = 30.0  # logits that are more than the head's matmul: full logits
+    assert linear_head(capped) is None
     mb = collate(samples, step_num_tokens=40, step_num_sequences=5)
     full, chunked = (backends[c].forward_logprobs(mb, with_entropy=True, replay_routes=False) for c in (0, 4))
     torch.testing.assert_close(chunked.logprobs, full.logprobs, rtol=0, atol=2e-5)
