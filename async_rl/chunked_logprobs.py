@@ -50,7 +50,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lp[s:e] = z.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1) - lse[s:e]
             if with_entropy:
                 z.sub_(lse[s:e].unsqueeze(-1))  # log p
-                ent[s:e] = -(z.exp() * z).sum(-1)
+                ent[s:e] = z.exp().mul_(z).sum(-1).neg_()
             del z
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.masked_ids = masked_ids
