@@ -2,7 +2,9 @@
 
 Forward passes replay the generators' recorded MoE routes (R3) through :mod:`async_rl.hf_moe`
 when asked: positions the engine ran use the recorded experts, later positions and padding the
-model's own routing. Gradients of the micro-batches are summed (the loss functions already
+model's own routing. Logprobs come from the last hidden states and the LM head in chunks of
+``logprob_chunk_tokens`` real tokens (:mod:`async_rl.chunked_logprobs`), not from full ``[B, T, V]``
+fp32 logits. Gradients of the micro-batches are summed (the loss functions already
 divide by step-global denominators, see :mod:`actors.learner.backend`), clipped, and applied by
 AdamW. Weights are exported under their Hugging Face names.
 """
