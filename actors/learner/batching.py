@@ -105,14 +105,23 @@ def make_micro_batches(
     num_sequences = len(samples) if step_num_sequences is None else step_num_sequences
     if num_tokens <= 0 or num_sequences <= 0:
         raise ValueError(f"step_num_tokens and step_num_sequences must be > 0, got {num_tokens}, {num_sequences}")
-    order = list(range(len(samples)))
+    groups = group_by_budget([int(s.input_ids.shape[0]) for s in samples], config)
+    return [
+        collate([samples[i] for i in g], step_num_tokens=num_tokens, step_num_sequences=num_sequences) for g in groups
+    ]
+
+
+def group_by_budget(lengths: Sequence[int], config: BatchingConfig) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into micro-batches: longest first when ``config.sort_by_length``, a group
+    closed when one more sequence would pass ``micro_batch_tokens`` padded tokens or ``max_micro_batch_sequences``."""
+    order = list(range(len(lengths)))
     if config.sort_by_length:
-        order.sort(key=lambda i: -int(samples[i].input_ids.shape[0]))
+        order.sort(key=lambda i: -int(lengths[i]))
     groups: list[list[int]] = []
     current: list[int] = []
     longest = 0
     for i in order:
-        t = int(samples[i].input_ids.shape[0])
+        t = int(lengths[i])
         new_longest = max(longest, t)
         full = config.max_micro_batch_sequences and len(current) >= config.max_micro_batch_sequences
         if current and (full or new_longest * (len(current) + 1) > config.micro_batch_tokens):
@@ -120,7 +129,6 @@ def make_micro_batches(
             current, new_longest = [], t
         current.append(i)
         longest = new_longest
-    groups.append(current)
-    return [
-        collate([samples[i] for i in g], step_num_tokens=num_tokens, step_num_sequences=num_sequences) for g in groups
-    ]
+    if current:
+        groups.append(current)
+    return groups

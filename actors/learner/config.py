@@ -84,6 +84,11 @@ class TorchBackendConfig:
     ``sampling.mask_special_tokens`` and :func:`async_rl.token_mask.masked_token_ids` of the model)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (routes are replayed in the recompute too)."""
+    logprob_chunk_tokens: int = 4096
+    """Logprobs (and entropy) from the last hidden states and the LM head this many tokens at a time, never
+    the full fp32 logits ``[tokens, vocab]`` (``async_rl/chunked_logprobs.py``); padding gets no logits at all.
+    0: the model's full logits. Models whose logits are more than a bias-free linear head of the last hidden
+    states (a logit scale or soft-cap) always take the full logits."""
     export_format: str = "state_dict"
     """Weight names of :meth:`TorchBackend.export_weights`: ``state_dict`` or ``checkpoint``."""
 
@@ -114,6 +119,8 @@ class TorchBackendConfig:
             raise ValueError(f"learner.torch.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not self.temperature > 0:
             raise ValueError(f"learner.torch.temperature must be > 0, got {self.temperature}")
+        if self.logprob_chunk_tokens < 0:
+            raise ValueError(f"learner.torch.logprob_chunk_tokens must be >= 0, got {self.logprob_chunk_tokens}")
         if self.export_format not in EXPORT_FORMATS:
             raise ValueError(f"learner.torch.export_format must be one of {list(EXPORT_FORMATS)}")
 

@@ -2,7 +2,9 @@
 
 Forward passes replay the generators' recorded MoE routes (R3) through :mod:`async_rl.hf_moe`
 when asked: positions the engine ran use the recorded experts, later positions and padding the
-model's own routing. Gradients of the micro-batches are summed (the loss functions already
+model's own routing. Logprobs come from the last hidden states and the LM head in chunks of
+``logprob_chunk_tokens`` real tokens (:mod:`async_rl.chunked_logprobs`), not from full ``[B, T, V]``
+fp32 logits. Gradients of the micro-batches are summed (the loss functions already
 divide by step-global denominators, see :mod:`actors.learner.backend`), clipped, and applied by
 AdamW. Weights are exported under their Hugging Face names.
 """
@@ -25,6 +27,7 @@ from actors.learner.config import TorchBackendConfig
 from actors.learner.lr_schedule import lr_factor
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
+from async_rl.chunked_logprobs import chunked_token_logprobs
 from async_rl.hf_moe import find_moe_layers, pack_routes, replay_routes
 from async_rl.token_mask import mask_logits
 
@@ -63,6 +66,44 @@ def token_logprobs(
         ent = lse - (torch.softmax(pred, dim=-1) * pred).sum(-1)
         entropy = torch.cat([zero, ent.masked_fill(~valid, 0.0)], dim=1)
     return logprobs, entropy
+
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""Config keys of Hugging Face models whose logits are more than ``lm_head(hidden)``: such models take the full logits."""
+
+
+def linear_head(model: nn.Module) -> nn.Linear | None:
+    """The bias-free LM head when ``model``'s logits are exactly ``head(base_model(...).last_hidden_state)``, else None."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Linear) or head.bias is not None or getattr(model, "base_model", model) is model:
+        return None
+    cfg = getattr(model, "config", None)
+    for key in LOGIT_TRANSFORMS:
+        value = getattr(cfg, key, None)
+        if value is not None and value != 1 and value != 1.0:
+            return None
+    return head
+
+
+def chunked_forward(
+    model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, chunk_tokens: int,
+    temperature: float, masked_ids: torch.Tensor | None, with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """:func:`token_logprobs`' ``[B, T]`` outputs from the last hidden states of the real positions, through
+    :func:`async_rl.chunked_logprobs.chunked_token_logprobs` (no ``[B, T, V]`` logits)."""
+    base: nn.Module = getattr(model, "base_model")  # noqa: B009 - nn.Module's __getattr__ types it as a Tensor
+    hidden = base(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)[0]
+    valid = attention_mask[:, 1:].bool()
+    lp, ent = chunked_token_logprobs(hidden[:, :-1][valid], head.weight, input_ids[:, 1:][valid],
+                                     chunk_tokens=chunk_tokens, temperature=temperature, masked_ids=masked_ids,
+                                     with_entropy=with_entropy)  # fmt: skip
+
+    def place(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(valid.shape).masked_scatter(valid, x)
+        return torch.cat([x.new_zeros(valid.shape[0], 1), out], dim=1)
+
+    return place(lp), None if ent is None else place(ent)
 
 
 def aggregate_metrics(parts: Sequence[tuple[dict[str, float], float]]) -> dict[str, float]:
@@ -146,6 +187,14 @@ class TorchBackend(TrainingBackend):
         return replay_routes(model, routes)
 
     def _forward(self, model: nn.Module, mb: MicroBatch, with_entropy: bool) -> ForwardOutput:
+        head = linear_head(model) if self.config.logprob_chunk_tokens > 0 else None
+        if head is not None:
+            logprobs, entropy = chunked_forward(
+                model, head, mb.input_ids, mb.attention_mask, chunk_tokens=self.config.logprob_chunk_tokens,
+                temperature=self.config.temperature, masked_ids=self._masked_ids if self.config.masked_token_ids
+                else None, with_entropy=with_entropy,
+            )  # fmt: skip
+            return ForwardOutput(logprobs=logprobs, entropy=entropy)
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask.long(), use_cache=False)
         logits = out.logits
         if self.config.masked_token_ids:

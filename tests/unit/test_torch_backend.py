@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 from actors.learner.batching import collate, make_micro_batches
 from actors.learner.config import BatchingConfig, TorchBackendConfig
-from actors.learner.torch_backend import TorchBackend, aggregate_metrics
+from actors.learner.torch_backend import TorchBackend, aggregate_metrics, linear_head
 from async_rl.algorithms.batch import ForwardOutput, MicroBatch, TrainSample
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.algorithms.loss import make_loss_fn
@@ -83,6 +83,8 @@ def test_config_errors_name_the_field() -> None:
         TorchBackendConfig(device="tpu")
     with pytest.raises(ValueError, match="learner.torch.export_format"):
         TorchBackendConfig(export_format="gguf")
+    with pytest.raises(ValueError, match="learner.torch.logprob_chunk_tokens must be >= 0"):
+        TorchBackendConfig(logprob_chunk_tokens=-1)
 
 
 def test_forward_logprobs_match_reference_and_ignore_padding() -> None:
@@ -177,6 +179,42 @@ def test_replay_matters_for_gradients_and_checkpointing_replays_in_recompute() -
     ckpt, g_ckpt, _ = _grads_and_step(24, replay=True, gradient_checkpointing=True)
     assert abs(g_ckpt - g_rep) <= 1e-5 * g_rep
     _assert_same_updates(plain, ckpt)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_chunked_logprobs_equal_the_full_logits_in_forward_and_training(dense: bool) -> None:
+    """learner.torch.logprob_chunk_tokens: the same logprobs, entropy and update as the model's full logits (with a
+    sampling mask, a temperature and an entropy term in the loss), padding included."""
+
+    def loss(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        assert out.entropy is not None
+        pg, metrics = pg_loss(out, mb)
+        return pg - 0.3 * (out.entropy * mb.loss_mask).sum() / mb.step_num_tokens, metrics
+
+    samples = _samples(5, seed=4)
+    backends = {}
+    for chunk in (0, 4):
+        model = _dense_model() if dense else _moe_model()
+        backends[chunk] = _backend(model, lr=1.0, eps=1.0, temperature=0.7, masked_token_ids=(0,),
+                                   logprob_chunk_tokens=chunk)  # fmt: skip
+    assert linear_head(backends[4].model) is not None  # the chunked path runs, not the fallback
+    capped = _dense_model()
+    capped.config.final_logit_softcapping = 30.0  # logits that are more than the head's matmul: full logits
+    assert linear_head(capped) is None
+    mb = collate(samples, step_num_tokens=40, step_num_sequences=5)
+    full, chunked = (backends[c].forward_logprobs(mb, with_entropy=True, replay_routes=False) for c in (0, 4))
+    torch.testing.assert_close(chunked.logprobs, full.logprobs, rtol=0, atol=2e-5)
+    torch.testing.assert_close(chunked.entropy, full.entropy, rtol=0, atol=2e-5)
+    assert float(chunked.logprobs[~mb.attention_mask].abs().sum()) == 0.0
+    updates, norms = [], []
+    for c in (0, 4):
+        before = {n: p.detach().clone() for n, p in backends[c].model.named_parameters()}
+        mbs = make_micro_batches(samples, BatchingConfig(micro_batch_tokens=24))
+        res = backends[c].train_step(mbs, loss, replay_routes=False, with_entropy=True)
+        updates.append({n: p.detach() - before[n] for n, p in backends[c].model.named_parameters()})
+        norms.append(res.grad_norm)
+    assert norms[0] > 0 and abs(norms[0] - norms[1]) <= 1e-5 * norms[0]
+    _assert_same_updates(updates[0], updates[1])
 
 
 def test_aggregate_metrics_conventions() -> None:

@@ -72,7 +72,7 @@ def nll_loss(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str
     mask = mb.loss_mask.to(out.logprobs.device)
     nll = -(out.logprobs * mask).sum() / mb.step_num_tokens
     n = float(mask.sum())
-    return nll, {"nll_per_token": float(-(out.logprobs * mask).sum()) / max(n, 1.0), "loss_tokens_count": n}
+    return nll, {"nll_per_token": float(-(out.logprobs.detach() * mask).sum()) / max(n, 1.0), "loss_tokens_count": n}
 
 
 @torch.no_grad()
