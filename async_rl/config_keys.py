@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
 import re
 import textwrap
 import types
@@ -84,7 +85,7 @@ def _toml(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (str, Path)):
-        return f'"{value}"'
+        return json.dumps(str(value))  # a TOML basic string: a newline shows as \n, on the key's one line
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, dict):

@@ -125,6 +125,8 @@ async def run_python(code: str, cfg: SandboxConfig | None = None) -> SandboxResu
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the child's whole session, whatever it started
             await proc.wait()
+    # The CPU limit (the same seconds) can fire before the wall clock on a loaded machine: a timeout all the same.
+    timed_out = timed_out or proc.returncode == -signal.SIGXCPU
     return SandboxResult(stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
                          returncode=int(proc.returncode or 0), timed_out=timed_out,
                          network_isolated=isolated)  # fmt: skip

@@ -101,7 +101,9 @@ def test_evaluation_rounds_survive_learner_kills_once_each(procs: Procs, servers
     assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))  # one row per committed step, as ever
     rounds = [int(row["eval/copy/version"]) for row in rows if "eval/copy/version" in row]
     assert len(rounds) >= 3 and rounds == sorted(set(rounds)), rounds  # never a round twice
-    assert all(v % EVAL_EVERY == 0 for v in rounds)
+    # One round per interval of versions. Not always at a multiple: a learner killed between a publish and the
+    # checkpoint covering it resumes past the versions it lost, and its round is then due at the first version after.
+    assert len({v // EVAL_EVERY for v in rounds}) == len(rounds), rounds
     assert all(row["eval/copy/reward"] == 1.0 for row in rows if "eval/copy/reward" in row)
 
     async def audits() -> tuple[dict, dict]:
