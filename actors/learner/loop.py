@@ -61,7 +61,7 @@ from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.weights import WeightPublisher
 from async_rl.weights.background import BackgroundPublisher, PublishRecord
-from async_rl.weights.gpu_publisher import GpuPublisher
+from async_rl.weights.gpu_publisher import GpuPublisher, GpuSlotsOutOfMemory
 from async_rl.weights.manifest import GPU_TRANSPORT
 from async_rl.weights.transport import make_transport
 from buffer.dead_letters import error_line
@@ -100,6 +100,8 @@ class Learner:
     _control: ControlPlane | None
     _signals: LearnerSignals
     _publisher: WeightPublisher | None
+    _host: BackgroundPublisher | None
+    """The host transport's publisher (the one behind :attr:`_weights`, or :attr:`_weights` itself)."""
     _weights: BackgroundPublisher | GpuPublisher | None
     """Publishes the versions: from GPU buffers (same-host generators over CUDA IPC, feeding the host transport),
     or through the host transport alone."""
@@ -131,7 +133,7 @@ class Learner:
         self._control = None
         self._signals = LearnerSignals(cfg)  # /metrics and the scaling signal
         self._publisher = None
-        self._weights = None
+        self._weights = self._host = None
         self._prompts = None
         self._reader = None
         self._metrics = None
@@ -181,7 +183,7 @@ class Learner:
         await self._publisher.clean_staging()
         host = BackgroundPublisher(self._publisher, on_commit=self._on_published)
         stack.push_async_callback(host.aclose)  # before the transport closes: the version going out ends
-        self._weights = host
+        self._weights = self._host = host
         gpu_latest = None
         export = self.backend.gpu_export(cfg.publisher) if cfg.publisher.gpu != "off" else None
         if cfg.publisher.gpu == "on" and export is None:
@@ -557,9 +559,24 @@ class Learner:
         assert self._weights is not None
         t0 = time.monotonic()
         version = self.state.version
-        if wait:
-            await self._weights.flush(version, self.backend.snapshot_source)
-        elif not await self._weights.offer(version, self.backend.snapshot_source):
+        try:
+            if wait:
+                await self._weights.flush(version, self.backend.snapshot_source)
+                self._last_publish_s = time.monotonic() - t0
+                return
+            offered = await self._weights.offer(version, self.backend.snapshot_source)
+        except GpuSlotsOutOfMemory as exc:
+            if self.cfg.publisher.gpu == "on" or self._host is None or not isinstance(self._weights, GpuPublisher):
+                raise
+            log.warning("%s; publishing through the host transport only from now on", exc)
+            await self._weights.abandon()
+            self._weights = self._host
+            import torch
+
+            torch.cuda.empty_cache()  # the slots' memory back to the driver, for training
+            await self._publish(wait=wait)
+            return
+        if not offered:
             log.debug("weights v%d skipped: v%s is still going out", version, self._weights.inflight_version)
         self._last_publish_s = time.monotonic() - t0
 

@@ -58,6 +58,18 @@ return 1
 """
 
 
+class _NoSlots:
+    """What an abandoned publisher holds instead of its slots (any use is a bug)."""
+
+    num_slots = 0
+    device_bytes = 0
+    hands_over = False
+
+
+class GpuSlotsOutOfMemory(RuntimeError):
+    """The GPU slots do not fit in the learner's GPU memory (the message says which keys to change)."""
+
+
 def local_slots(device: torch.device | str, cfg: PublisherConfig, rank: int = 0) -> GpuSlots:
     """GPU slots of this process as ``cfg`` sets them (``publisher.gpu_slots``, ``gpu_bucket_bytes``, ``gpu_dtype``)."""
     dtype = DTYPES[cfg.gpu_dtype] if cfg.gpu_dtype else None
@@ -125,6 +137,15 @@ class GpuPublisher:
             await self.redis.delete(*keys)
         await self.redis.delete(self.names.weights_gpu_latest)
 
+    async def abandon(self) -> None:
+        """Stop using the GPU path (its slots did not fit): queued commits end, the GPU versions' manifests go (readers
+        move to the host transport's versions), the slots' memory is released."""
+        await self._stop(timeout_s=60.0)
+        self._error = None
+        await self.clean()
+        self.slots = _NoSlots()  # type: ignore[assignment]
+        self.host = None
+
     async def latest_version(self) -> int | None:
         raw = await self.redis.get(self.names.weights_gpu_latest)
         return None if raw is None else int(raw)
@@ -170,7 +191,13 @@ class GpuPublisher:
             # Several ranks: the host transport gets the gathered weights (the path before the GPU one), whenever
             # it is idle; publisher.gpu_host_copies=false leaves it to the flush at the end.
             await host.offer(version, source)
-        fill = await asyncio.to_thread(self.slots.fill, slot, version, source)
+        try:
+            fill = await asyncio.to_thread(self.slots.fill, slot, version, source)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise GpuSlotsOutOfMemory(
+                f"weights: no GPU memory for GPU slot {slot} ({self.slots.device_bytes / 1e9:.1f} GB held by the "
+                f"others): publisher.gpu_slots={self.slots.num_slots} copies of the weights do not fit beside "
+                f"training; set publisher.gpu=off (or publisher.gpu_dtype=bfloat16 for an fp32 learner)") from exc
         self._pending.add(slot)
         self._queued[slot] = version
         self._queue.put_nowait(fill)
@@ -285,6 +312,12 @@ class GpuPublisher:
 
     async def aclose(self, timeout_s: float = 60.0) -> None:
         """Let queued commits end (up to ``timeout_s``), then the host publisher."""
+        await self._stop(timeout_s)
+        if self.host is not None:
+            await self.host.aclose(timeout_s)
+
+    async def _stop(self, timeout_s: float) -> None:
+        """Let queued commits and the host hand-over end (up to ``timeout_s``), then cancel what is left."""
         with contextlib.suppress(TimeoutError, Exception):
             await asyncio.wait_for(self.wait_idle(), timeout_s)
         for task in (self._task, self._host_task):
@@ -292,5 +325,3 @@ class GpuPublisher:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        if self.host is not None:
-            await self.host.aclose(timeout_s)
