@@ -97,18 +97,15 @@ class ParamSlots:
         """Copy checked ``tensors`` into the model (dtype cast and device move included), on ``pool``'s threads
         when one is given (CPU: each copy releases the GIL)."""
         if pool is None:
-            views = [self.slots[name].view for name in tensors]
-            same = [(v, t) for v, t in zip(views, tensors.values(), strict=True)
-                    if v.device == t.device and v.dtype == t.dtype]  # fmt: skip
-            if len(same) > 1 and views[0].device.type == "cuda":
-                # One call for all of them (a GPU-held version: GPU to GPU): one GIL hold instead of one per tensor
-                # against a decode thread that launches kernels all the time.
-                torch._foreach_copy_([v for v, _ in same], [t for _, t in same], non_blocking=True)
-                done = {id(v) for v, _ in same}
-                rest = [(v, t) for v, t in zip(views, tensors.values(), strict=True) if id(v) not in done]
-            else:
-                rest = list(zip(views, tensors.values(), strict=True))
-            for v, t in rest:
+            pairs = [(self.slots[name].view, t) for name, t in tensors.items()]
+            if pairs and pairs[0][0].device.type == "cuda":
+                # A GPU-held version, GPU to GPU: the like-for-like copies in one call (one GIL hold instead of one
+                # per tensor, against a decode thread that launches kernels all the time); casts and moves below.
+                same = [(v, t) for v, t in pairs if v.device == t.device and v.dtype == t.dtype]
+                if same:
+                    torch._foreach_copy_([v for v, _ in same], [t for _, t in same], non_blocking=True)
+                pairs = [(v, t) for v, t in pairs if not (v.device == t.device and v.dtype == t.dtype)]
+            for v, t in pairs:
                 v.copy_(t, non_blocking=True)
             return
 

@@ -95,10 +95,8 @@ class GpuPublisher:
     _held: dict[int, int]
     """Slots the host publisher is copying from (slot -> holds)."""
     _queue: asyncio.Queue[GpuFill]
-    _pending: set[int]
-    """Slots filled and not yet committed."""
     _queued: dict[int, int]
-    """Slot -> version, for the fills not yet committed."""
+    """Slot -> version of the fills not yet committed."""
     _task: asyncio.Task | None
     _host_task: asyncio.Task | None
     _error: BaseException | None
@@ -119,7 +117,6 @@ class GpuPublisher:
         self._latest_slot = None
         self._held = {}
         self._queue = asyncio.Queue()
-        self._pending = set()
         self._queued = {}
         self._task = None
         self._host_task = None
@@ -153,8 +150,7 @@ class GpuPublisher:
     @property
     def inflight_version(self) -> int | None:
         """Newest version queued and not yet committed (None: none)."""
-        queued = [v for s, v in self._queued.items()]
-        return max(queued) if queued else None
+        return max(self._queued.values(), default=None)
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -163,7 +159,7 @@ class GpuPublisher:
 
     async def _free_slot(self) -> int | None:
         """A slot nobody can be reading (its version retired), or None."""
-        busy = {self._latest_slot, *self._pending, *self._held}
+        busy = {self._latest_slot, *self._queued, *self._held}
         order = sorted(range(self.slots.num_slots), key=lambda s: self.slot_version[s])  # empty, then oldest
         for slot in order:
             if slot in busy:
@@ -198,7 +194,6 @@ class GpuPublisher:
                 f"weights: no GPU memory for GPU slot {slot} ({self.slots.device_bytes / 1e9:.1f} GB held by the "
                 f"others): publisher.gpu_slots={self.slots.num_slots} copies of the weights do not fit beside "
                 f"training; set publisher.gpu=off (or publisher.gpu_dtype=bfloat16 for an fp32 learner)") from exc
-        self._pending.add(slot)
         self._queued[slot] = version
         self._queue.put_nowait(fill)
         if self._task is None or self._task.done():
@@ -214,7 +209,6 @@ class GpuPublisher:
                 log.error("publishing weights v%d from the GPU failed: %r", fill.version, exc)
                 self._error = exc
             finally:
-                self._pending.discard(fill.slot)
                 self._queued.pop(fill.slot, None)
 
     async def _commit(self, fill: GpuFill) -> None:
