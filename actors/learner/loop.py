@@ -196,8 +196,8 @@ class Learner:
             await gpu.clean()  # the buffers of a previous learner's versions died with it
             stack.push_async_callback(gpu.aclose)
             self._weights = gpu
-            log.info("weights: versions kept in %d GPU slots on %s for same-host generators (CUDA IPC)%s",
-                     cfg.publisher.gpu_slots, self.backend.publish_device,
+            log.info("weights: versions kept in %d GPU slots for same-host generators (CUDA IPC)%s",
+                     cfg.publisher.gpu_slots,
                      ", and published through the host transport" if cfg.publisher.gpu_host_copies else "")  # fmt: skip
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
         self._checker = EntryChecker(await asyncio.to_thread(_model_facts, cfg), num_samples=cfg.sampling.n)

@@ -26,8 +26,8 @@ from async_rl.names import Names
 from async_rl.weights.config import ReaderConfig
 from async_rl.weights.cuda_ipc import IpcMapper, IpcUnavailable, fast_thread_handoffs, host_key
 from async_rl.weights.gpu_checksum import to_unsigned, wsum64
-from async_rl.weights.manifest import DTYPES, Manifest, ManifestError, ManifestTensor
-from async_rl.weights.reader import _LEASE_LUA, CorruptVersion, FetchedVersion, VersionUnavailable
+from async_rl.weights.manifest import DTYPES, Manifest, ManifestTensor
+from async_rl.weights.reader import CorruptVersion, FetchedVersion, VersionUnavailable, read_manifest, take_lease
 from async_rl.weights.signing import run_secret
 
 
@@ -68,18 +68,13 @@ class GpuReader:
         n = self.names
         ttl_s = self.cfg.gpu_lease_ttl_s
         leased_at = time.monotonic()
-        keys = (n.weights_gpu_manifest(version), n.weights_gpu_readers(version))
-        if not await self.redis.eval(_LEASE_LUA, 2, *keys, self.reader_id, int(ttl_s * 1000)):
+        key = n.weights_gpu_manifest(version)
+        if not await take_lease(self.redis, key, n.weights_gpu_readers(version), self.reader_id, ttl_s):
             raise VersionUnavailable(f"GPU-held weights version {version} is gone (the learner reused its buffers)")
         try:
-            raw = await self.redis.get(n.weights_gpu_manifest(version))
-            if raw is None:
-                raise VersionUnavailable(f"GPU-held weights version {version} is gone")
-            try:
-                manifest = Manifest.decode(raw, self.hmac_key)
-            except ManifestError as exc:
-                raise CorruptVersion(f"GPU-held weights version {version}: {exc}") from exc
-            if manifest.version != version or manifest.ipc is None:
+            manifest = await read_manifest(self.redis, key, version, self.hmac_key, "GPU-held weights version",
+                                           "is gone")  # fmt: skip
+            if manifest.ipc is None:
                 raise CorruptVersion(f"GPU-held weights version {version}: the manifest is not one of a GPU version")
             if manifest.ipc.host != host_key():
                 raise IpcUnavailable("the learner's GPU buffers are on another host (or network/IPC namespace)")

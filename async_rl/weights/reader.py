@@ -100,6 +100,28 @@ class FetchedVersion:
         return self.manifest.total_bytes / max(self.total_s, 1e-9) / 1e9
 
 
+async def take_lease(redis: aioredis.Redis, manifest_key: str, readers_key: str, reader_id: str, ttl_s: float) -> bool:
+    """A lease of ``ttl_s`` for ``reader_id`` on the version whose manifest is at ``manifest_key`` (one script: False
+    when the manifest is gone, so a retired version can not be leased again)."""
+    return bool(await redis.eval(_LEASE_LUA, 2, manifest_key, readers_key, reader_id, int(ttl_s * 1000)))
+
+
+async def read_manifest(redis: aioredis.Redis, key: str, version: int, hmac_key: bytes | None, what: str,
+                        gone: str) -> Manifest:  # fmt: skip
+    """The manifest of ``version`` at ``key``, decoded (its HMAC checked with ``hmac_key``); VersionUnavailable (``what``
+    ``version`` ``gone``) when absent, CorruptVersion when malformed or of another version."""
+    raw = await redis.get(key)
+    if raw is None:
+        raise VersionUnavailable(f"{what} {version} {gone}")
+    try:
+        manifest = Manifest.decode(raw, hmac_key)
+    except ManifestError as exc:
+        raise CorruptVersion(f"{what} {version}: {exc}") from exc
+    if manifest.version != version:
+        raise CorruptVersion(f"manifest of {what} {version} says version {manifest.version}")
+    return manifest
+
+
 class WeightReader:
     """Fetches and verifies weight versions published by :class:`~async_rl.weights.WeightPublisher`."""
 
@@ -131,9 +153,8 @@ class WeightReader:
         return None if raw is None else int(raw)
 
     async def _lease(self, version: int) -> bool:
-        ttl_ms = int(self.cfg.lease_ttl_s * 1000)
         keys = (self.names.weights_manifest(version), self.names.weights_readers(version))
-        return bool(await self.redis.eval(_LEASE_LUA, 2, *keys, self.reader_id, ttl_ms))
+        return await take_lease(self.redis, *keys, self.reader_id, self.cfg.lease_ttl_s)
 
     async def _release(self, version: int) -> None:
         await self.redis.zrem(self.names.weights_readers(version), self.reader_id)
@@ -148,16 +169,8 @@ class WeightReader:
         return True
 
     async def _manifest(self, version: int) -> Manifest:
-        raw = await self.redis.get(self.names.weights_manifest(version))
-        if raw is None:
-            raise VersionUnavailable(f"weights version {version} is not available (incomplete or pruned)")
-        try:
-            manifest = Manifest.decode(raw, self.hmac_key)
-        except ManifestError as exc:
-            raise CorruptVersion(f"weights version {version}: {exc}") from exc
-        if manifest.version != version:
-            raise CorruptVersion(f"manifest of weights version {version} says version {manifest.version}")
-        return manifest
+        return await read_manifest(self.redis, self.names.weights_manifest(version), version, self.hmac_key,
+                                   "weights version", "is not available (incomplete or pruned)")  # fmt: skip
 
     async def fetch(
         self, version: int | None = None, have: FetchedVersion | None = None, stream: StreamOpener | None = None
