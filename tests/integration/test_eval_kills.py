@@ -12,7 +12,6 @@ import random
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import redis
@@ -32,13 +31,6 @@ NUM_KILLS = 3
 MAX_STEPS = 24
 EVAL_EVERY = 3
 EVAL_PROMPTS = 4
-
-
-@pytest.fixture
-def procs(servers: ServerSet, names: Names, tmp_path: Path):  # type: ignore[no-untyped-def]
-    p = Procs(servers, names, tmp_path / "run")
-    yield p
-    p.close()
 
 
 def _evaluate(url: str, names: Names, stop: threading.Event, errors: list[BaseException]) -> None:

@@ -12,7 +12,6 @@ import random
 import signal
 import threading
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -34,13 +33,6 @@ MAX_STEPS = 60
 """Room for 8 kills: each learner takes at least two steps before its kill, and with publishing in the background a
 step of this tiny model can take 40 ms, so a learner may get through several more during its random delay (at 30,
 one learner finished the run and the next one had no step left to take)."""
-
-
-@pytest.fixture
-def procs(servers: ServerSet, names: Names, tmp_path: Path):  # type: ignore[no-untyped-def]
-    p = Procs(servers, names, tmp_path / "run")
-    yield p
-    p.close()
 
 
 def _generate(url: str, names: Names, stop: threading.Event, errors: list[BaseException]) -> None:
