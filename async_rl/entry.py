@@ -23,17 +23,29 @@ def first_sentence(doc: str | None) -> str:
     return text[: m.start() + 1] if m else text
 
 
+class _KeysHelpParser(argparse.ArgumentParser):
+    """An entry point's parser whose ``--help`` lists every key of ``keys_cls``: built only when help is printed
+    (reading every config class's docstrings costs about 0.1 s, which a process that starts should not pay)."""
+
+    keys_cls: type | None = None
+
+    def format_help(self) -> str:
+        if self.keys_cls is not None:
+            from async_rl.config_keys import keys_overview
+
+            self.epilog = (f"config keys, by section (KEY=VALUE, or [section] tables in --config):\n"
+                           f"{keys_overview(self.keys_cls)}\n\n{self.prog} --help-keys lists each with its type, default "
+                           f"and meaning.")  # fmt: skip
+        return super().format_help()
+
+
 def config_parser(prog: str, description: str, cls: type | None = None) -> argparse.ArgumentParser:
     """The parser of a role's entry point; with the role's config class ``cls`` its ``--help`` lists every key."""
     epilog = (f"Overrides are dotted config keys, e.g. run.redis_url=redis://host:6379/0 task.name=reverse; "
               f"{prog} --help-keys lists every key with its type, default and meaning.")  # fmt: skip
-    if cls is not None:
-        from async_rl.config_keys import keys_overview
-
-        epilog = f"config keys, by section (KEY=VALUE, or [section] tables in --config):\n{keys_overview(cls)}\n\n" + (
-            f"{prog} --help-keys lists each with its type, default and meaning.")  # fmt: skip
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = _KeysHelpParser(prog=prog, description=description, epilog=epilog,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.keys_cls = cls
     parser.add_argument("--config", type=Path, default=None, help="TOML config file")
     parser.add_argument("--help-keys", action="store_true",
                         help="list every config key (type, default, description) by section and exit")  # fmt: skip
