@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from actors.commands.bench.backend_shapes import (
     padding_frac,
     sequence_lengths,
 )
+from actors.commands.bench.step_profile import format_profile, profile_step
 from async_rl.entry import first_sentence
 
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
@@ -66,17 +68,6 @@ def step_micro_batches(hf, lengths: list[int], micro_batch_tokens: int) -> tuple
         mb = make_batch(hf.config, g, seed=100 + i, step_num_tokens=total)
         mbs.append(with_routes(mb, hf_routes(hf, mb)))
     return groups, mbs
-
-
-def _profile(step, label: str) -> None:  # type: ignore[no-untyped-def]
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    print(f"--- top CUDA kernels, one step: {label}")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
 
 
 def _time_steps(step, warmup: int, steps: int) -> list[float]:  # type: ignore[no-untyped-def]
@@ -124,7 +115,9 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--backends", default="megatron,torch", help="comma-separated: megatron, torch")
-    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step of each backend")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one step of each backend's first setting: GPU busy share, kernel time by kind, "
+                         "top kernels (step_profile.py), printed and stored in the row")
     ap.add_argument("--default-settings-only", action="store_true",
                     help="only Megatron with SDPA + grouped experts and torch without checkpointing (large models: "
                          "the sequential-experts settings take minutes a step)")
@@ -213,7 +206,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
             )
             record("megatron", f"local spec, {attention} attn, {experts} experts, replay, recompute={recompute}", times)
             if args.profile and attention == "sdpa" and experts == "grouped" and not recompute:
-                _profile(lambda meg=meg: meg.train_step(mbs, nll_loss, replay_routes=True), "megatron")
+                rows[-1]["profile"] = profile_step(partial(meg.train_step, mbs, nll_loss, replay_routes=True))
+                print(format_profile("megatron", rows[-1]["profile"]), flush=True)
             meg.close()
             del meg
             torch.cuda.empty_cache()
@@ -233,7 +227,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
                 logits = f"logprob chunks of {chunk}" if chunk else "full logits"
                 record("torch", f"HF model, replay, recompute={ckpt}, {logits}", times)
                 if args.profile and not ckpt and chunk == chunk_settings[0]:
-                    _profile(lambda tb=tb: tb.train_step(mbs, nll_loss, replay_routes=True), "torch")
+                    rows[-1]["profile"] = profile_step(partial(tb.train_step, mbs, nll_loss, replay_routes=True))
+                    print(format_profile("torch", rows[-1]["profile"]), flush=True)
                 del tb, model
                 torch.cuda.empty_cache()
     result = {

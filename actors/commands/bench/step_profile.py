@@ -1,0 +1,112 @@
+"""Where one training step's time goes on the GPU: kernel time by kind, the GPU's busy share, launches, host time.
+
+:func:`profile_step` runs a step under ``torch.profiler`` (CPU and CUDA activities) and returns a JSON-ready
+summary, which ``bench backends --profile`` stores in each profiled row and prints:
+
+* ``wall_s``: the step's wall time under the profiler (the profiler adds host overhead per op);
+* ``gpu_busy_s``: the union of the step's kernel intervals (overlapping streams counted once), and
+  ``gpu_busy_frac`` = ``gpu_busy_s / wall_s``: well under 1 means the host (launches, synchronisations) paces
+  the step, not the kernels;
+* ``kernels``: kernel launches; ``syncs``: host waits on the device (``cudaStreamSynchronize``,
+  ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking copies to the host);
+* ``by_kind``: kernel time per kind (:data:`KINDS`, first match on the lower-cased kernel name wins),
+  seconds and share of the kernel time;
+* ``top``: the most expensive kernels (name, calls, total seconds).
+
+:func:`categorise` is pure (tested on the CPU); the rest needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+KINDS: tuple[tuple[str, str], ...] = (
+    ("nccl", r"nccl"),
+    ("attention", r"flash|fmha|attention|sdpa|softmax_warp"),
+    ("grouped_gemm", r"grouped|group_gemm"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|sm90_|sm100_|cublas|matmul|splitk"),
+    ("copy", r"memcpy|memset|copy|cat_|catarray|fill|index|gather|scatter|sort|radix|permute|transpose"),
+    ("reduction", r"reduce|norm|sum|logsumexp|max_|min_|argmax|cumsum|scan"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise|triton"),
+)
+"""Kernel kinds by name pattern, in matching order; anything else is ``other``."""
+
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def categorise(name: str) -> str:
+    """The kind (:data:`KINDS`) of a kernel by its name, ``other`` when none matches."""
+    low = name.lower()
+    for kind, pattern in KINDS:
+        if re.search(pattern, low):
+            return kind
+    return "other"
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def profile_step(step: Callable[[], object], *, top: int = 15) -> dict[str, Any]:
+    """Profile one call of ``step`` (a training step) and summarise it (see the module doc)."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels: list[tuple[str, float, float]] = []
+    syncs = 0
+    for ev in prof.events():
+        dev_type = str(getattr(ev, "device_type", ""))
+        if dev_type.endswith("CUDA") and ev.time_range.elapsed_us() > 0:
+            kernels.append((ev.name, ev.time_range.start / 1e6, ev.time_range.end / 1e6))
+        elif ev.name in _SYNC_CALLS or (ev.name == "cudaMemcpyAsync" and ev.time_range.elapsed_us() > 50):
+            syncs += 1
+    by_name: dict[str, list[float]] = {}
+    by_kind: dict[str, float] = {}
+    for name, s, e in kernels:
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e - s
+        kind = categorise(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + (e - s)
+    kernel_s = sum(by_kind.values())
+    busy = busy_time([(s, e) for _, s, e in kernels])
+    return {
+        "wall_s": wall,
+        "gpu_busy_s": busy,
+        "gpu_busy_frac": busy / wall if wall > 0 else None,
+        "kernel_s": kernel_s,
+        "kernels": len(kernels),
+        "syncs": syncs,
+        "by_kind": {k: {"s": v, "share": v / kernel_s if kernel_s else 0.0}
+                    for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},  # fmt: skip
+        "top": [{"name": n[:120], "calls": int(c), "s": t}
+                for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]],  # fmt: skip
+    }
+
+
+def format_profile(label: str, p: dict[str, Any]) -> str:
+    """A few lines for the terminal."""
+    lines = [
+        f"--- profile, one step: {label}: wall {p['wall_s'] * 1e3:.1f} ms, GPU busy {p['gpu_busy_s'] * 1e3:.1f} ms "
+        f"({100 * (p['gpu_busy_frac'] or 0):.0f}%), {p['kernels']} kernels, {p['syncs']} host syncs",
+        "    by kind: " + ", ".join(f"{k} {v['s'] * 1e3:.1f} ms" for k, v in p["by_kind"].items()),
+    ]
+    lines += [f"    {t['s'] * 1e3:8.2f} ms {t['calls']:5d}x  {t['name'][:90]}" for t in p["top"]]
+    return "\n".join(lines)
