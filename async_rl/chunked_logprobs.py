@@ -11,13 +11,16 @@ the head's matmul once more per chunk in backward.
 
 The logits of a chunk are treated exactly as the full-logits path treats them: the head's matmul in
 its own dtype, cast to fp32, the sampling mask applied (:func:`async_rl.token_mask.mask_logits`: masked
-columns get a constant, so no gradient), then divided by the sampling temperature.
+columns get a constant, so no gradient), then divided by the sampling temperature. On CUDA each chunk's
+logits (in the head's dtype) go through the fused kernels of :mod:`async_rl.logit_stats`, which do all of
+that in one read and write the chunk's gradient in the head's dtype: no fp32 chunk buffer at all.
 """
 
 from __future__ import annotations
 
 import torch
 
+from async_rl.logit_stats import can_fuse, fused_backward, fused_forward, vocab_mask
 from async_rl.token_mask import MASKED_LOGIT
 
 
@@ -43,8 +46,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lp = hidden.new_empty(n, dtype=dtype)
         lse = hidden.new_empty(n, dtype=dtype)
         ent = hidden.new_empty(n if with_entropy else 0, dtype=dtype)
+        fused = can_fuse(hidden)
+        mask = vocab_mask(masked_ids, weight.shape[0], hidden.device) if fused else None
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
+            if fused:  # the chunk's logits in the head's dtype, read once by the kernel
+                lp[s:e], lse[s:e], ent_part = fused_forward(hidden[s:e] @ weight.t(), targets[s:e], mask,
+                                                            temperature, with_entropy)  # fmt: skip
+                if with_entropy:
+                    ent[s:e] = ent_part
+                continue
             z = _logits(hidden[s:e], weight, masked_ids, temperature)
             lse[s:e] = torch.logsumexp(z, dim=-1)
             lp[s:e] = z.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1) - lse[s:e]
@@ -53,7 +64,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 ent[s:e] = z.exp().mul_(z).sum(-1).neg_()
             del z
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.masked_ids = masked_ids
+        ctx.masked_ids, ctx.mask, ctx.fused = masked_ids, mask, fused
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -72,28 +83,42 @@ class _ChunkedLogprobs(torch.autograd.Function):
         use_ent = ctx.with_entropy and g_ent is not None
         for s in range(0, n, ctx.chunk):
             e = min(s + ctx.chunk, n)
-            logp = _logits(hidden[s:e], weight, ctx.masked_ids, ctx.temperature).sub_(lse[s:e].unsqueeze(-1))
-            # d log p(y) / dz = onehot(y) - p;  d H / dz = -p * (log p + H)
-            coef = g_lp[s:e].unsqueeze(-1)
-            if use_ent and g_ent is not None:
-                p = logp.exp()
-                coef = logp.add_(ent[s:e].unsqueeze(-1)).mul_(g_ent[s:e].unsqueeze(-1)).add_(coef)
+            if ctx.fused:
+                gz = fused_backward(hidden[s:e] @ weight.t(), targets[s:e], ctx.mask, lse[s:e],
+                                    ent[s:e] if use_ent else None, g_lp[s:e],
+                                    g_ent[s:e] if use_ent and g_ent is not None else None, ctx.temperature)  # fmt: skip
             else:
-                p = logp.exp_()  # one chunk x vocab buffer when no entropy gradient flows
-            gz = p.mul_(coef).neg_()
-            del logp, coef
-            gz.scatter_add_(-1, targets[s:e].unsqueeze(-1), g_lp[s:e].unsqueeze(-1).to(gz.dtype))
-            if ctx.temperature != 1.0:
-                gz.div_(ctx.temperature)
-            if ctx.masked_ids is not None:  # masked columns are constants: no gradient
-                gz.index_fill_(-1, ctx.masked_ids, 0.0)
-            gz = gz.to(weight.dtype)
+                gz = _chunk_grad(hidden[s:e], weight, targets[s:e], lse[s:e], ent[s:e] if use_ent else None, g_lp[s:e],
+                                 g_ent[s:e] if use_ent and g_ent is not None else None, ctx.masked_ids,
+                                 ctx.temperature)  # fmt: skip
             if grad_h is not None:
                 grad_h[s:e] = gz @ weight
             if grad_w is not None:
                 grad_w += (gz.t() @ hidden[s:e]).to(acc_dtype)
             del gz
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def _chunk_grad(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                ent: torch.Tensor | None, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
+                masked_ids: torch.Tensor | None, temperature: float) -> torch.Tensor:  # fmt: skip
+    """One chunk's gradient with respect to its logits, in the head's dtype (plain torch: the CPU, fp64)."""
+    logp = _logits(hidden, weight, masked_ids, temperature).sub_(lse.unsqueeze(-1))
+    # d log p(y) / dz = onehot(y) - p;  d H / dz = -p * (log p + H)
+    coef = g_lp.unsqueeze(-1)
+    if ent is not None and g_ent is not None:
+        p = logp.exp()
+        coef = logp.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(coef)
+    else:
+        p = logp.exp_()  # one chunk x vocab buffer when no entropy gradient flows
+    gz = p.mul_(coef).neg_()
+    del logp, coef
+    gz.scatter_add_(-1, targets.unsqueeze(-1), g_lp.unsqueeze(-1).to(gz.dtype))
+    if temperature != 1.0:
+        gz.div_(temperature)
+    if masked_ids is not None:  # masked columns are constants: no gradient
+        gz.index_fill_(-1, masked_ids, 0.0)
+    return gz.to(weight.dtype)
 
 
 def chunked_token_logprobs(

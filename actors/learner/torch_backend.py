@@ -29,7 +29,7 @@ from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepRes
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 from async_rl.chunked_logprobs import chunked_token_logprobs
 from async_rl.hf_moe import find_moe_layers, pack_routes, replay_routes
-from async_rl.token_mask import mask_logits
+from async_rl.logit_stats import token_stats
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Accepted ``dtype`` names."""
@@ -50,20 +50,19 @@ SCHEDULE_FILE = "schedule.json"
 
 
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, with_entropy: bool,
+    temperature: float = 1.0, masked_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``[B, T]`` float32 logprob of ``input_ids[:, t]`` from ``logits[:, t - 1]`` (0 at t = 0 and on padding),
-    and the entropy of that predictive distribution."""
-    pred = logits[:, :-1].float()
-    target = input_ids[:, 1:]
-    lse = torch.logsumexp(pred, dim=-1)
-    lp = pred.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
+    and the entropy of that predictive distribution, after the sampling mask and the temperature
+    (:func:`async_rl.logit_stats.token_stats`: fused kernels on CUDA, no fp32 copy of the logits)."""
+    lp, ent = token_stats(logits[:, :-1], input_ids[:, 1:], temperature=temperature, masked_ids=masked_ids,
+                          with_entropy=with_entropy)  # fmt: skip
     valid = attention_mask[:, 1:]
     zero = lp.new_zeros(lp.shape[0], 1)
     logprobs = torch.cat([zero, lp.masked_fill(~valid, 0.0)], dim=1)
     entropy = None
-    if with_entropy:
-        ent = lse - (torch.softmax(pred, dim=-1) * pred).sum(-1)
+    if with_entropy and ent is not None:
         entropy = torch.cat([zero, ent.masked_fill(~valid, 0.0)], dim=1)
     return logprobs, entropy
 
@@ -196,12 +195,10 @@ class TorchBackend(TrainingBackend):
             )  # fmt: skip
             return ForwardOutput(logprobs=logprobs, entropy=entropy)
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask.long(), use_cache=False)
-        logits = out.logits
-        if self.config.masked_token_ids:
-            logits = mask_logits(logits.float(), self._masked_ids)
-        if self.config.temperature != 1.0:
-            logits = logits / self.config.temperature
-        logprobs, entropy = token_logprobs(logits, mb.input_ids, mb.attention_mask, with_entropy=with_entropy)
+        logprobs, entropy = token_logprobs(
+            out.logits, mb.input_ids, mb.attention_mask, with_entropy=with_entropy, temperature=self.config.temperature,
+            masked_ids=self._masked_ids if self.config.masked_token_ids else None,
+        )  # fmt: skip
         return ForwardOutput(logprobs=logprobs, entropy=entropy)
 
     def forward_logprobs(

@@ -55,7 +55,6 @@ from actors.learner.megatron.weights import STACKED, MegatronWeights
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
 from async_rl.moe import route_dtype
-from async_rl.token_mask import mask_logits
 
 
 def _te_available() -> bool:
@@ -387,13 +386,9 @@ class MegatronBackend(MegatronWeights):
     def _forward_output(self, logits: torch.Tensor, item: _Item, with_entropy: bool) -> ForwardOutput:
         from megatron.core import parallel_state as ps
 
-        if self.cfg.masked_token_ids:  # this rank's vocab-parallel columns start at tp_rank * V / tp
-            start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-            logits = mask_logits(logits.float(), self._masked_ids, start)
-        if self.cfg.temperature != 1.0:
-            logits = logits.float() / self.cfg.temperature
         lp, ent = token_stats(logits, item.labels, with_entropy, ps.get_tensor_model_parallel_group(),
-                               self.cfg.tensor_parallel)  # fmt: skip
+                              self.cfg.tensor_parallel, temperature=self.cfg.temperature,
+                              masked_ids=self._masked_ids if self.cfg.masked_token_ids else None)  # fmt: skip
         seq = item.mb.input_ids.shape[1]
         if self.cfg.context_parallel > 1:
             group = ps.get_context_parallel_group()

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from async_rl import logit_stats
+from async_rl.token_mask import mask_logits
+
 
 class CPGather(torch.autograd.Function):
     """All-gather a ``[b, T_local]`` tensor over CP into ``[b, T]``; backward keeps this rank's positions only."""
@@ -31,19 +34,24 @@ class CPGather(torch.autograd.Function):
         return grad[:, positions], None, None, None
 
 
-def token_stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, tp_group, tp_size: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """log p(label) and (optionally) entropy per position from vocab-parallel logits ``[b, s, V/tp]`` (fp32)."""
-    logits = logits.float()
+def token_stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, tp_group, tp_size: int, *,  # type: ignore[no-untyped-def]
+                temperature: float = 1.0, masked_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """log p(label) and (optionally) entropy per position from vocab-parallel logits ``[b, s, V/tp]``, fp32, after the
+    sampling mask (``masked_ids``: global token ids) and the temperature. One rank: :func:`async_rl.logit_stats.
+    token_stats` (fused Triton kernels on CUDA, no fp32 copy of the logits)."""
     if tp_size == 1:
-        # logsumexp + gather: no second [b, s, V] float tensor (the vocabulary is the largest dimension here).
-        lse = torch.logsumexp(logits, dim=-1)
-        lp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
-        return lp, ent
+        return logit_stats.token_stats(logits, labels, temperature=temperature, masked_ids=masked_ids,
+                                       with_entropy=with_entropy)  # fmt: skip
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+    logits = logits.float()
+    if masked_ids is not None:  # this rank's vocab-parallel columns start at tp_rank * V / tp
+        start = torch.distributed.get_rank(tp_group) * logits.shape[-1]
+        logits = mask_logits(logits, masked_ids, start)
+    if temperature != 1.0:
+        logits = logits / temperature
     lp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels)
     ent = None
     if with_entropy:
