@@ -164,4 +164,4 @@ def _adapted_task(config: TaskConfig) -> Task:
     from async_rl.envs.verifiers import VerifiersTask
 
     return VerifiersTask(config.env.id, env_args=config.env.args, codec=codec, seed=config.seed,
-                         shuffle=config.shuffle, max_new_tokens=max_new)  # fmt: skip
+                         shuffle=config.shuffle, max_new_tokens=max_new, tool_parser=config.env.tool_parser)  # fmt: skip
