@@ -15,7 +15,7 @@ import copy
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from actors.learner.backend import TrainingBackend
 from actors.learner.config import TorchBackendConfig
 from actors.learner.lr_schedule import lr_factor
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
-from async_rl.algorithms.metrics import WEIGHT_KEY, reduce_metrics
+from async_rl.algorithms.metrics import parts_to_floats, reduce_metrics
 from async_rl.chunked_logprobs import chunked_token_logprobs
 from async_rl.hf_moe import find_moe_layers, pack_routes, replay_routes
 from async_rl.logit_stats import token_stats
@@ -105,11 +105,13 @@ def chunked_forward(
     return place(lp), None if ent is None else place(ent)
 
 
-def aggregate_metrics(parts: Sequence[tuple[dict[str, float], float]]) -> dict[str, float]:
+def aggregate_metrics(parts: Sequence[tuple[Mapping[str, torch.Tensor | float], torch.Tensor | float]]
+                      ) -> dict[str, float]:  # fmt: skip
     """Merge per-micro-batch metrics by :func:`async_rl.algorithms.metrics.reduce_metrics`' naming convention
     (``_max`` / ``_min``: max / min, ``_count`` / ``_sum``: summed, others token-weighted); the weight of a
-    micro-batch is its ``loss_tokens_count`` metric, or the given response-token count when the loss omits it."""
-    return reduce_metrics([m if WEIGHT_KEY in m else {**m, WEIGHT_KEY: w} for m, w in parts])
+    micro-batch is its ``loss_tokens_count`` metric, or the given response-token count when the loss omits it.
+    Values on the device come to the host in one copy (:func:`~async_rl.algorithms.metrics.parts_to_floats`)."""
+    return reduce_metrics(parts_to_floats(parts))
 
 
 class TorchBackend(TrainingBackend):
@@ -229,12 +231,12 @@ class TorchBackend(TrainingBackend):
         # only runs in train mode.
         self.model.train(self.config.gradient_checkpointing)
         self.optimizer.zero_grad(set_to_none=True)
-        parts: list[tuple[dict[str, float], float]] = []
+        parts: list[tuple[Mapping[str, torch.Tensor | float], torch.Tensor | float]] = []
         num_tokens = 0
-        total_loss = 0.0
+        losses: list[torch.Tensor] = []  # on the device until the step is queued: no wait per micro-batch
         try:
             for mb in micro_batches:
-                dev = mb.to(self.device)
+                dev = mb.to(self.device, pin=self.device.type == "cuda")
                 # Backward inside the replay context: activation recompute must see the same routes.
                 with self._replay(self.model, dev, replay_routes):
                     out = self._forward(self.model, dev, with_entropy)
@@ -242,8 +244,8 @@ class TorchBackend(TrainingBackend):
                     if loss.dim() != 0:
                         raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
                     loss.backward()
-                total_loss += float(loss.detach())
-                parts.append((metrics, float(mb.loss_mask.sum())))
+                losses.append(loss.detach())
+                parts.append((metrics, float(mb.loss_mask.sum())))  # the host copy's count: no device wait
                 num_tokens += mb.num_tokens
         finally:
             self.model.eval()
@@ -261,7 +263,7 @@ class TorchBackend(TrainingBackend):
         metrics = aggregate_metrics(parts)
         elapsed = time.perf_counter() - start
         metrics.update({
-            "loss": total_loss, "grad_norm": grad_norm, "lr": lr,
+            "loss": float(torch.stack(losses).sum()) if losses else 0.0, "grad_norm": grad_norm, "lr": lr,
             "step_skipped": 0.0 if finite else 1.0, "num_micro_batches": float(len(micro_batches)),
             "train_tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
         })  # fmt: skip

@@ -9,7 +9,7 @@ These types live here, below the actors, because the algorithms (``loss_fn``) an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,11 +87,12 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
-    def to(self, device: torch.device | str) -> MicroBatch:
-        """A copy with every tensor on ``device`` (routes stay on the host)."""
+    def to(self, device: torch.device | str, *, pin: bool = False) -> MicroBatch:
+        """A copy with every tensor on ``device`` (routes stay on the host); ``pin``: through pinned host memory, so
+        that the copies to a GPU are asynchronous (from pageable memory they wait on the GPU's queue)."""
 
         def mv(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
+            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
         def mv_opt(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else mv(t)
@@ -115,7 +116,7 @@ class ForwardOutput:
     """float32 ``[B, T]``: entropy of the predictive distribution at t (when asked for)."""
 
 
-LossFn = Callable[[ForwardOutput, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[ForwardOutput, MicroBatch], tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]
 """``loss_fn(out, mb) -> (loss, metrics)``; ``out`` and ``mb`` on the backend's device, loss scaled as above."""
 
 

@@ -16,7 +16,7 @@ Naming convention (what :func:`reduce_metrics` does with each key over the micro
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -164,3 +164,22 @@ def reduce_metrics(per_micro_batch: Iterable[Mapping[str, float]]) -> dict[str, 
             if total is not None and sq is not None:
                 out[f"{base}_std"] = (max(sq - total * total / n, 0.0) / (n - 1)) ** 0.5 if n > 1 else 0.0
     return out
+
+
+def parts_to_floats(parts: Sequence[tuple[Mapping[str, torch.Tensor | float], torch.Tensor | float]]
+                    ) -> list[dict[str, float]]:  # fmt: skip
+    """Per-micro-batch ``(metrics, weight)`` as float dicts, each with its :data:`WEIGHT_KEY` (the given weight where
+    the loss left it out), with one device-to-host copy for all of them: the backends keep a micro-batch's metrics
+    on the device until the step's work is queued (a ``float()`` per micro-batch made the host wait for each)."""
+    flat: dict[str, torch.Tensor | float] = {}
+    for i, (m, w) in enumerate(parts):
+        for k, v in m.items():
+            flat[f"{i}\x00{k}"] = v
+        if WEIGHT_KEY not in m:
+            flat[f"{i}\x00{WEIGHT_KEY}"] = w
+    out: list[dict[str, float]] = [{} for _ in parts]
+    for key, v in to_floats(flat).items():
+        index, name = key.split("\x00", 1)
+        out[int(index)][name] = v
+    return out
+

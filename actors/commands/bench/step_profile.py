@@ -56,7 +56,7 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_step(step: Callable[[], object], *, top: int = 15) -> dict[str, Any]:
+def profile_step(step: Callable[[], object], *, top: int = 30) -> dict[str, Any]:
     """Profile one call of ``step`` (a training step) and summarise it (see the module doc)."""
     import time
 
@@ -108,5 +108,5 @@ def format_profile(label: str, p: dict[str, Any]) -> str:
         f"({100 * (p['gpu_busy_frac'] or 0):.0f}%), {p['kernels']} kernels, {p['syncs']} host syncs",
         "    by kind: " + ", ".join(f"{k} {v['s'] * 1e3:.1f} ms" for k, v in p["by_kind"].items()),
     ]
-    lines += [f"    {t['s'] * 1e3:8.2f} ms {t['calls']:5d}x  {t['name'][:90]}" for t in p["top"]]
+    lines += [f"    {t['s'] * 1e3:8.2f} ms {t['calls']:5d}x  {t['name'][:90]}" for t in p["top"][:15]]
     return "\n".join(lines)

@@ -68,8 +68,9 @@ def schedule_scope() -> Iterator[None]:
         clear()
 
 
-def set_forward(per_layer: Sequence[np.ndarray] | None, device: torch.device) -> None:
-    """Before a micro-batch's forward: replay ``per_layer`` (one ``[rows, top_k]`` per router) or route freely."""
+def set_forward(per_layer: Sequence[np.ndarray | torch.Tensor] | None, device: torch.device) -> None:
+    """Before a micro-batch's forward: replay ``per_layer`` (one ``[rows, top_k]`` per router, host arrays or tensors
+    already on ``device``) or route freely."""
     rr, action = _rr()
     if per_layer is None:
         rr.clear_global_router_replay_action()
@@ -77,7 +78,8 @@ def set_forward(per_layer: Sequence[np.ndarray] | None, device: torch.device) ->
     n = len(rr.global_router_replay_instances)
     if len(per_layer) != n:
         raise ValueError(f"{len(per_layer)} route tensors for {n} routers on this rank")
-    rr.set_replay_data([torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True) for a in per_layer])
+    rr.set_replay_data([(a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a)))
+                        .to(device, non_blocking=True) for a in per_layer])  # fmt: skip
     rr.set_global_router_replay_action(action.REPLAY_FORWARD)
 
 

@@ -67,12 +67,13 @@ def make_batch(cfg: Qwen3MoeConfig, lengths: list[int], *, prompt_len: int = 8, 
     )  # fmt: skip
 
 
-def nll_loss(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-summed NLL over response tokens divided by the step's response tokens (the backend contract)."""
+def nll_loss(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-summed NLL over response tokens divided by the step's response tokens (the backend contract); metrics
+    stay on the device, as the learner's losses keep them (no wait on the GPU per micro-batch)."""
     mask = mb.loss_mask.to(out.logprobs.device)
     nll = -(out.logprobs * mask).sum() / mb.step_num_tokens
-    n = float(mask.sum())
-    return nll, {"nll_per_token": float(-(out.logprobs.detach() * mask).sum()) / max(n, 1.0), "loss_tokens_count": n}
+    n = mask.sum().float()
+    return nll, {"nll_per_token": -(out.logprobs.detach() * mask).sum() / n.clamp(min=1.0), "loss_tokens_count": n}
 
 
 @torch.no_grad()

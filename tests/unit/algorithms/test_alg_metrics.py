@@ -78,3 +78,16 @@ def test_reduce_metrics_by_suffix() -> None:
     assert m["is_ratio_std"] == pytest.approx(math.sqrt(1.75 - 1.25**2))
     assert m["is_ratio_max"] == 2.0 and m["is_ratio_min"] == 2.0
     assert reduce_metrics([]) == {}
+
+
+def test_parts_to_floats_keeps_each_part_and_its_weight() -> None:
+    from async_rl.algorithms.metrics import WEIGHT_KEY, parts_to_floats
+
+    parts = [
+        ({"a": torch.tensor(1.5), "x_max": torch.tensor(float("-inf")), "n": 2.0}, torch.tensor(4.0)),
+        ({"a": 0.5, WEIGHT_KEY: torch.tensor(3.0)}, 9.0),  # the loss's own weight wins
+        ({}, 1.0),
+    ]
+    out = parts_to_floats(parts)
+    assert out == [{"a": 1.5, "n": 2.0, WEIGHT_KEY: 4.0}, {"a": 0.5, WEIGHT_KEY: 3.0}, {WEIGHT_KEY: 1.0}]
+    assert all(type(v) is float for d in out for v in d.values())
