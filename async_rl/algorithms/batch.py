@@ -92,7 +92,7 @@ class MicroBatch:
         that the copies to a GPU are asynchronous (from pageable memory they wait on the GPU's queue)."""
 
         def mv(t: torch.Tensor) -> torch.Tensor:
-            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+            return (t.contiguous().pin_memory() if pin else t).to(device, non_blocking=True)
 
         def mv_opt(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else mv(t)

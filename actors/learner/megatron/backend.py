@@ -388,7 +388,7 @@ class MegatronBackend(MegatronWeights):
         dev, pin = self.device, self.device.type == "cuda"
 
         def up(t: torch.Tensor) -> torch.Tensor:  # pinned and asynchronous: never a wait on the GPU's queue
-            return t.pin_memory().to(dev, non_blocking=True) if pin else t.to(dev)
+            return t.contiguous().pin_memory().to(dev, non_blocking=True) if pin else t.to(dev)  # (expanded: copied)
 
         return _Item(
             rows=rows, mb=share.to(dev, pin=pin), input_ids=up(ids[:, pos_t]), labels=up(labels[:, pos_t]),
