@@ -236,7 +236,7 @@ class TorchBackend(TrainingBackend):
         losses: list[torch.Tensor] = []  # on the device until the step is queued: no wait per micro-batch
         try:
             for mb in micro_batches:
-                dev = mb.to(self.device, pin=self.device.type == "cuda")
+                dev = mb.to(self.device)
                 # Backward inside the replay context: activation recompute must see the same routes.
                 with self._replay(self.model, dev, replay_routes):
                     out = self._forward(self.model, dev, with_entropy)

@@ -87,12 +87,11 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
-    def to(self, device: torch.device | str, *, pin: bool = False) -> MicroBatch:
-        """A copy with every tensor on ``device`` (routes stay on the host); ``pin``: through pinned host memory, so
-        that the copies to a GPU are asynchronous (from pageable memory they wait on the GPU's queue)."""
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """A copy with every tensor on ``device`` (routes stay on the host)."""
 
         def mv(t: torch.Tensor) -> torch.Tensor:
-            return (t.contiguous().pin_memory() if pin else t).to(device, non_blocking=True)
+            return t.to(device, non_blocking=True)
 
         def mv_opt(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else mv(t)

@@ -385,13 +385,13 @@ class MegatronBackend(MegatronWeights):
             plan = replay_indices(share.routes, seq_len=seq, positions=self.tokens.positions(seq), moe_indices=self.moe_idx,
                                   num_moe_layers=self.arch.num_moe_layers, top_k=self.arch.top_k,
                                   num_experts=self.arch.num_experts, lengths=lengths).per_layer()  # fmt: skip
-        dev, pin = self.device, self.device.type == "cuda"
+        dev = self.device
 
-        def up(t: torch.Tensor) -> torch.Tensor:  # pinned and asynchronous: never a wait on the GPU's queue
-            return t.contiguous().pin_memory().to(dev, non_blocking=True) if pin else t.to(dev)  # (expanded: copied)
+        def up(t: torch.Tensor) -> torch.Tensor:  # (pinning these small tensors first cost 0.6 ms each on the host)
+            return t.to(dev, non_blocking=True)
 
         return _Item(
-            rows=rows, mb=share.to(dev, pin=pin), input_ids=up(ids[:, pos_t]), labels=up(labels[:, pos_t]),
+            rows=rows, mb=share.to(dev), input_ids=up(ids[:, pos_t]), labels=up(labels[:, pos_t]),
             position_ids=up(pos_t.unsqueeze(0).expand(ids.shape[0], -1)), positions=up(pos_t),
             replay=None if plan is None else [up(torch.from_numpy(np.ascontiguousarray(a))) for a in plan],
         )  # fmt: skip
