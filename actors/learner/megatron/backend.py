@@ -9,7 +9,7 @@ Calling convention (multi-rank), either of:
   used and the others' ignored.
 
 Either way only the main rank needs to read the stream. Each micro-batch's rows are split
-over data-parallel ranks (contiguous, sizes differing by at most one; an empty share runs one masked
+(:mod:`actors.learner.megatron.shares`) over data-parallel ranks (contiguous, sizes differing by at most one; an empty share runs one masked
 dummy row so expert-parallel all-to-alls stay matched). Results come back on every rank.
 
 Loss scaling (see :mod:`actors.learner.backend`): the loss function returns this micro-batch's share
@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -47,9 +46,9 @@ from actors.learner.megatron.routes import (
     PipelineSplit,
     TokenSplit,
     moe_indices_on_stage,
-    replay_indices,
     scatter_recorded,
 )
+from actors.learner.megatron.shares import Share, ShareCutter, gather_rows
 from actors.learner.megatron.spec import decoder_block_spec
 from actors.learner.megatron.weights import STACKED, MegatronWeights
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
@@ -65,26 +64,6 @@ def _te_available() -> bool:
     return True
 
 
-@dataclass(slots=True)
-class _Item:
-    """One rank's share of one micro-batch, ready for the forward step."""
-
-    rows: np.ndarray
-    """Row indices of the original micro-batch held here (empty for a dummy share)."""
-    mb: MicroBatch
-    """The share as a padded micro-batch on the GPU (full sequence length ``T``)."""
-    input_ids: torch.Tensor
-    """int64 ``[b, T_local]``: this CP rank's positions."""
-    position_ids: torch.Tensor
-    """int64 ``[b, T_local]``."""
-    labels: torch.Tensor
-    """int64 ``[b, T_local]``: next token of each local position (0 past the end)."""
-    positions: torch.Tensor
-    """int64 ``[T_local]``: global positions of this CP rank, in local order."""
-    replay: list[torch.Tensor] | None
-    """Per-router ``[rows, top_k]`` indices to replay, on the device, or None (free routing)."""
-
-
 class MegatronBackend(MegatronWeights):
     """A megatron-core GPTModel built from a Hugging Face config, with optimizer and router replay."""
 
@@ -94,6 +73,8 @@ class MegatronBackend(MegatronWeights):
     split: PipelineSplit
     tokens: TokenSplit
     moe_idx: list[int]
+    shares: ShareCutter
+    """Cuts micro-batches into this rank's shares (data path: ``shares.py``)."""
     naming: RankNaming
     te_spec: bool
     dtype: torch.dtype
@@ -144,6 +125,11 @@ class MegatronBackend(MegatronWeights):
         self.tokens = TokenSplit(cp_size=cfg.context_parallel, cp_rank=self.cp_rank, tp_size=cfg.tensor_parallel,
                                  tp_rank=self.tp_rank, sequence_parallel=cfg.sequence_parallel)  # fmt: skip
         self.moe_idx = moe_indices_on_stage(self.split, self.pp_rank, self.arch.moe_layers)
+        self.shares = ShareCutter(
+            dp_size=self.dp_size, dp_rank=self.dp_rank, tokens=self.tokens, moe_indices=self.moe_idx,
+            num_moe_layers=self.arch.num_moe_layers, top_k=self.arch.top_k,
+            num_experts=self.arch.num_experts if cfg.router_replay else 0, device=self.device,
+        )  # fmt: skip
         local_experts = self.arch.num_experts // cfg.expert_parallel if self.arch.num_experts else 0
         self.naming = RankNaming(
             layer_offset=self.split.offset(self.pp_rank), num_local_layers=self.split.num_layers_on(self.pp_rank),
@@ -334,69 +320,7 @@ class MegatronBackend(MegatronWeights):
             if name == "close":
                 return
 
-    def _dp_rows(self, num_sequences: int) -> np.ndarray:
-        """Row indices of a micro-batch this DP rank takes: contiguous, shares differing by at most one."""
-        return np.array_split(np.arange(num_sequences), self.dp_size)[self.dp_rank]
-
-    def _share(self, mb: MicroBatch, replay_routes: bool) -> _Item:
-        """This rank's DP share of ``mb``, padded for CP/SP, with its replay indices cut on the host."""
-        rows = self._dp_rows(mb.num_sequences)
-        t_real = int(mb.input_ids.shape[1])
-        seq = self.tokens.padded_length(t_real)
-        if rows.size:
-            idx = slice(int(rows[0]), int(rows[-1]) + 1)  # array_split shares are contiguous: a view, no copy
-            pad = seq - t_real
-
-            def cut(t: torch.Tensor) -> torch.Tensor:
-                return torch.nn.functional.pad(t[idx], (0, pad)) if pad else t[idx]
-
-            def cut_opt(t: torch.Tensor | None) -> torch.Tensor | None:
-                return None if t is None else cut(t)
-
-            share = MicroBatch(
-                input_ids=cut(mb.input_ids), attention_mask=cut(mb.attention_mask), loss_mask=cut(mb.loss_mask),
-                behaviour_logprobs=cut(mb.behaviour_logprobs), advantages=cut(mb.advantages),
-                token_versions=cut(mb.token_versions), routes=[mb.routes[i] for i in rows],
-                step_num_tokens=mb.step_num_tokens, step_num_sequences=mb.step_num_sequences,
-                proximal_logprobs=cut_opt(mb.proximal_logprobs), reference_logprobs=cut_opt(mb.reference_logprobs),
-                group_ids=[mb.group_ids[i] for i in rows] if mb.group_ids else [],
-            )  # fmt: skip
-        else:  # an empty share still runs (matched all-to-alls); one fully masked row
-            z = torch.zeros(1, seq)
-            share = MicroBatch(
-                input_ids=z.long(), attention_mask=z.bool(), loss_mask=z.bool(), behaviour_logprobs=z.clone(),
-                advantages=z.clone(), token_versions=z.long(), routes=[None], step_num_tokens=mb.step_num_tokens,
-                step_num_sequences=mb.step_num_sequences,
-                proximal_logprobs=None if mb.proximal_logprobs is None else z.clone(),
-                reference_logprobs=None if mb.reference_logprobs is None else z.clone(),
-            )  # fmt: skip
-        ids = share.input_ids
-        labels = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-        positions = self.tokens.cp_positions(seq)
-        pos_t = torch.from_numpy(positions)
-        plan = None
-        if (
-            replay_routes
-            and self.cfg.router_replay
-            and self.arch.num_experts
-            and any(r is not None for r in share.routes)
-        ):
-            lengths = share.attention_mask.sum(dim=1).tolist()
-            plan = replay_indices(share.routes, seq_len=seq, positions=self.tokens.positions(seq), moe_indices=self.moe_idx,
-                                  num_moe_layers=self.arch.num_moe_layers, top_k=self.arch.top_k,
-                                  num_experts=self.arch.num_experts, lengths=lengths).per_layer()  # fmt: skip
-        dev = self.device
-
-        def up(t: torch.Tensor) -> torch.Tensor:  # (pinning these small tensors first cost 0.6 ms each on the host)
-            return t.to(dev, non_blocking=True)
-
-        return _Item(
-            rows=rows, mb=share.to(dev), input_ids=up(ids[:, pos_t]), labels=up(labels[:, pos_t]),
-            position_ids=up(pos_t.unsqueeze(0).expand(ids.shape[0], -1)), positions=up(pos_t),
-            replay=None if plan is None else [up(torch.from_numpy(np.ascontiguousarray(a))) for a in plan],
-        )  # fmt: skip
-
-    def _forward_output(self, logits: torch.Tensor, item: _Item, with_entropy: bool) -> ForwardOutput:
+    def _forward_output(self, logits: torch.Tensor, item: Share, with_entropy: bool) -> ForwardOutput:
         from megatron.core import parallel_state as ps
 
         lp, ent = token_stats(logits, item.labels, with_entropy, ps.get_tensor_model_parallel_group(),
@@ -418,9 +342,10 @@ class MegatronBackend(MegatronWeights):
                       record: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
         """One megatron pipeline schedule over ``micro_batches``; replay state cleared before and after.
 
-        Each micro-batch's share (:meth:`_share`: host-side cutting, replay indices, pinned uploads) is made when the
-        schedule asks for it, while the GPU still runs the previous micro-batch: made all up front they kept the GPU
-        idle for 190 ms of an 800 ms step on the Qwen3-30B-A3B slice (11 micro-batches of 8k tokens)."""
+        Each micro-batch's share (:class:`~actors.learner.megatron.shares.ShareCutter`: host-side cutting, replay
+        indices, uploads) is made when the schedule asks for it, while the GPU still runs the previous micro-batch:
+        made all up front they kept the GPU idle for 190 ms of an 800 ms step on the Qwen3-30B-A3B slice (11
+        micro-batches of 8k tokens)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         dev = self.device
@@ -436,16 +361,14 @@ class MegatronBackend(MegatronWeights):
                 out = replay.backward_switch(out, replaying=plan is not None)
             return out, partial(loss_func, item)
 
-        seq = max(len(self.tokens.cp_positions(self.tokens.padded_length(int(mb.input_ids.shape[1]))))
-                  for mb in micro_batches)  # fmt: skip
-        rows = max(-(-mb.num_sequences // self.dp_size) for mb in micro_batches)  # the largest DP share
-        items = (self._share(mb, replaying) for mb in micro_batches)
+        seq, rows = self.shares.schedule_shape(micro_batches)
+        items = (self.shares.cut(mb, replaying) for mb in micro_batches)
         fb = get_forward_backward_func()
         with replay.schedule_scope() if driving else _null():
             if record:
                 replay.set_record()
             result = fb(forward_step_func=forward_step, data_iterator=items, model=[self.ddp],
-                        num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=max(rows, 1),
+                        num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=rows,
                         forward_only=forward_only)  # fmt: skip
             recorded = replay.recorded() if record else None
         return result, recorded
@@ -476,10 +399,10 @@ class MegatronBackend(MegatronWeights):
                 return self._forward_logprobs(mb, replay_routes, with_entropy)
             finally:
                 self._swap_reference()
-        got: list[_Item] = []
+        got: list[Share] = []
         outs: list[ForwardOutput] = []
 
-        def collect(it: _Item, logits: torch.Tensor):  # type: ignore[no-untyped-def]
+        def collect(it: Share, logits: torch.Tensor):  # type: ignore[no-untyped-def]
             got.append(it)
             outs.append(self._forward_output(logits, it, with_entropy))
             return torch.zeros((), device=self.device), torch.ones((), dtype=torch.int, device=self.device), {}
@@ -489,28 +412,8 @@ class MegatronBackend(MegatronWeights):
             self._run_schedule([mb], collect, forward_only=True, replaying=replay_routes)
         finally:
             self.ddp.train()
-        return self._gather_rows(mb, got[0] if got else None, outs[0] if outs else None)
-
-    def _gather_rows(self, mb: MicroBatch, item: _Item | None, out: ForwardOutput | None) -> ForwardOutput:
-        """Reassemble ``[B, T]`` outputs from the last stage of every DP replica, on every rank."""
-        t = int(mb.input_ids.shape[1])
-        mine = None
-        if out is not None and item is not None and self.tp_rank == 0 and self.cp_rank == 0 and item.rows.size:
-            ent = None if out.entropy is None else out.entropy[:, :t].float().cpu()
-            mine = (item.rows, out.logprobs[:, :t].float().cpu(), ent)
-        parts: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(parts, mine)
-        lp = torch.zeros(mb.num_sequences, t)
-        ent = None
-        for p in parts:
-            if p is None:
-                continue
-            rows, plp, pent = p
-            lp[torch.from_numpy(rows)] = plp
-            if pent is not None:
-                ent = torch.zeros(mb.num_sequences, t) if ent is None else ent
-                ent[torch.from_numpy(rows)] = pent
-        return ForwardOutput(logprobs=lp, entropy=ent)
+        return gather_rows(mb, got[0] if got else None, outs[0] if outs else None,
+                           holds_rows=self.tp_rank == 0 and self.cp_rank == 0)  # fmt: skip
 
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, replay_routes: bool = True,
                    with_entropy: bool = False) -> StepResult:  # fmt: skip
@@ -526,7 +429,7 @@ class MegatronBackend(MegatronWeights):
         metrics: list[tuple[Mapping[str, torch.Tensor | float], torch.Tensor | float]] = []
         losses: list[torch.Tensor] = []
 
-        def loss_func(it: _Item, logits: torch.Tensor):  # type: ignore[no-untyped-def]
+        def loss_func(it: Share, logits: torch.Tensor):  # type: ignore[no-untyped-def]
             out = self._forward_output(logits, it, with_entropy)
             loss, m = loss_fn(out, it.mb)
             if self.tp_rank == 0 and self.cp_rank == 0 and it.rows.size:  # on the device until the step is queued
@@ -604,7 +507,7 @@ class MegatronBackend(MegatronWeights):
 
     @torch.no_grad()
     def _record_routes(self, mb: MicroBatch) -> list[np.ndarray]:
-        def collect(it: _Item, logits: torch.Tensor):  # type: ignore[no-untyped-def]
+        def collect(it: Share, logits: torch.Tensor):  # type: ignore[no-untyped-def]
             return torch.zeros((), device=self.device), torch.ones((), dtype=torch.int, device=self.device), {}
 
         self.ddp.eval()
@@ -613,7 +516,7 @@ class MegatronBackend(MegatronWeights):
             per_layer = [t.cpu().numpy() for t in rec]
         finally:
             self.ddp.train()
-        rows = self._dp_rows(mb.num_sequences)
+        rows = self.shares.rows(mb.num_sequences)
         seq = self.tokens.padded_length(int(mb.input_ids.shape[1]))
         mine = None
         if rows.size:
