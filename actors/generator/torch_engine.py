@@ -15,15 +15,9 @@ Calls: :meth:`TorchEngine.generate` queues its prompts for one decode thread (th
 loop stays free); calls that wait together and sample alike (same temperature, top-p, top-k and
 stop tokens, no seed) run as one batch, so a generator may call once per prompt group.
 
-Weight hot-swap: :meth:`TorchEngine.stage_weights` (any thread) checks the names and shapes,
-then a loader thread copies the tensors into a standby copy of the model while generation
-continues on the active one; at the next step boundary the two references are exchanged, so
-the pause (:attr:`TorchEngine.last_swap_pause_s`) is a pointer swap whatever the model size.
-:meth:`TorchEngine.open_stage` does the same with a version whose tensors arrive bucket by bucket: the loader
-copies each part as it comes and marks the standby ready only once the last one is in.
-The KV cache carries over, and the tokens sampled after the swap carry the new version. The
-standby (created with the first staged version) doubles the parameter memory. A staged version
-must be complete (every weight, in state_dict or checkpoint names: see :mod:`.param_slots`).
+Weight hot-swap: the engine mixes in :class:`actors.generator.weight_swap.WeightSwap` (``stage_weights``,
+``open_stage``, ``wait_applied``, ``take_swaps``, ...): a standby copy of the model is loaded in the background
+and swapped in at the next step boundary; see :mod:`actors.generator.weight_swap`.
 """
 
 from __future__ import annotations
@@ -31,22 +25,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections import deque
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from actors.generator.config import TorchEngineConfig
-from actors.generator.engine import Completion, Engine, SamplingParams, StagingStream
-from actors.generator.param_slots import ParamSlots
-from actors.generator.queued_stream import QueuedStream, StreamAborted
+from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.sampling import sample_tokens
+from actors.generator.weight_swap import WeightSwap
 from async_rl.hf_moe import RouteRecorder, find_moe_layers
 from async_rl.models import cache_kwarg, load_model
 from async_rl.moe import route_dtype
@@ -54,55 +45,36 @@ from async_rl.token_mask import masked_token_ids
 
 log = logging.getLogger(__name__)
 
-SWAPS_KEPT = 256
-"""Swaps remembered for :meth:`TorchEngine.take_swaps` between two heartbeats (a few per second at most)."""
 COMPACT_FRACTION = 0.25
 """Compact the batch (and its KV cache) once this share of its rows has finished: a copy of the cache
 costs about one decode step, so compacting on every finished row would cost more than it saves."""
 
 
-class TorchEngine(Engine):
+class TorchEngine(WeightSwap, Engine):
     """A transformers model with a KV-cached batched sampler and O(1) weight swaps (see the module docstring)."""
 
     name = "torch"
     config: TorchEngineConfig
     device: torch.device
-    last_swap_pause_s: float
-    """Time generation stood still for the last swap (a reference exchange under a lock)."""
-    last_load_s: float
-    """Time the last staged version took to copy into the standby model (generation goes on meanwhile)."""
-    last_stage_error: str | None
-    """Why the last staged version could not be loaded (None when it loaded)."""
-    _active: PreTrainedModel
-    _standby: PreTrainedModel | None
     _recorders: dict[int, RouteRecorder]
     """One route recorder per model instance (active and standby), keyed by id()."""
     _recording: set[int]
     """Models whose recorder hooks are in place during the current generate call."""
-    _version: int
-    _ready_version: int | None
-    _pending: tuple[Mapping[str, torch.Tensor] | QueuedStream, int] | None
-    _streaming: QueuedStream | None
-    """The stream the loader is consuming (aborted on close, so that the loader does not wait for it)."""
-    _busy: bool
     _closed: bool
-    _waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]]
-    _swap_lock: threading.Lock
-    _staged_cond: threading.Condition
-    """Notified (under ``_swap_lock``) when a version is loaded into the standby or swapped in."""
     _queue: deque[_Request]
     """Generate calls waiting for the decode thread."""
     _queue_cond: threading.Condition
     _worker: threading.Thread | None
-    _stage_cond: threading.Condition
-    _loader: threading.Thread | None
     _rng: torch.Generator
     _stop_ids: tuple[int, ...]
+    _pad_id: int
     _masked_ids: torch.Tensor
     """Token ids never sampled when ``params.mask_special_tokens`` (:func:`async_rl.token_mask.masked_token_ids`)."""
+    _max_positions: int
+    _vocab_size: int
     _num_experts: int
-    _swaps: deque[tuple[int, float]]
-    """(version, unix time) of swaps not yet taken by :meth:`take_swaps`."""
+    _route_layers: int
+    _top_k: int
 
     def __init__(self, config: TorchEngineConfig, model: PreTrainedModel | None = None) -> None:
         self.config = config
@@ -112,31 +84,17 @@ class TorchEngine(Engine):
         cfg = config.model
         if model is None:
             model = load_model(cfg.name, seed=cfg.seed, dtype=cfg.dtype)
-        self._active = model.to(self.device).eval()  # type: ignore[arg-type]
-        self._slots_active = ParamSlots(self._active)
-        self._slots_standby: ParamSlots | None = None
-        self._swaps = deque(maxlen=SWAPS_KEPT)
-        self._standby = None
+        super().__init__(model.to(self.device).eval())  # type: ignore[arg-type]
         self._recorders = {}
         self._recording = set()
         moe = find_moe_layers(self._active)
         self._num_experts = max((layer.num_experts for layer in moe), default=0)
         self._route_layers = len(moe)
         self._top_k = moe[0].top_k if moe else 0
-        self._version = -1
-        self._ready_version = None
-        self._pending = None
-        self._streaming = None
-        self._busy = False
         self._closed = False
-        self._waiters = []
-        self._swap_lock = threading.Lock()
-        self._staged_cond = threading.Condition(self._swap_lock)
         self._queue = deque()
         self._queue_cond = threading.Condition()
         self._worker = None
-        self._stage_cond = threading.Condition()
-        self._loader = None
         self._rng = torch.Generator(device=self.device)
         self._rng.manual_seed(config.seed)
         eos = self._active.config.eos_token_id if config.stop_on_eos else None
@@ -145,15 +103,8 @@ class TorchEngine(Engine):
         self._masked_ids = torch.tensor(masked_token_ids(cfg.name), dtype=torch.long, device=self.device)
         self._max_positions = int(getattr(self._active.config, "max_position_embeddings", 1 << 30))
         self._vocab_size = int(self._active.config.vocab_size)
-        self.last_swap_pause_s = 0.0
-        self.last_load_s = 0.0
-        self.last_stage_error = None
 
     # ---------------------------------------------------------------- Engine interface
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     @property
     def max_batch_prompts(self) -> int:
@@ -183,83 +134,10 @@ class TorchEngine(Engine):
                 self._worker.start()
         return await request.future
 
-    def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """Check names/shapes now (ValueError), load in the background, swap at the next step boundary.
-
-        The engine keeps references to ``tensors`` until they are copied: do not modify them.
-        """
-        self._stage(tensors, version, tensors)
-
-    def open_stage(self, version: int, layout: Mapping[str, torch.Tensor]) -> StagingStream:
-        """:meth:`stage_weights` in parts: ``layout`` (every name, shape and dtype) is checked now, the loader copies
-        each part as it is put, and the standby becomes ready for the swap at :meth:`StagingStream.finish`."""
-        stream = QueuedStream(layout)
-        self._stage(stream, version, layout)
-        return stream
-
-    def _stage(self, source: Mapping[str, torch.Tensor] | QueuedStream, version: int,
-               layout: Mapping[str, torch.Tensor]) -> None:  # fmt: skip
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        if version <= self._version:
-            raise ValueError(f"staged version {version} is not newer than the version in use ({self._version})")
-        self._slots_active.check(layout)
-        with self._stage_cond:
-            self._pending = (source, version)
-            self._stage_cond.notify()
-            if self._loader is None:
-                self._loader = threading.Thread(target=self._loader_main, name="torch-engine-loader", daemon=True)
-                self._loader.start()
-
-    async def wait_applied(self, version: int, timeout_s: float | None = None) -> bool:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        entry = (version, loop, fut)
-        with self._swap_lock:
-            if self._version >= version:
-                return True
-            self._waiters.append(entry)
-        try:
-            await asyncio.wait_for(fut, timeout_s)
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            with self._swap_lock:
-                if entry in self._waiters:
-                    self._waiters.remove(entry)
-
-    def wait_staged(self, version: int, timeout_s: float | None = None) -> bool:
-        """Block until ``version`` (or newer) is loaded in the standby or in use; True if so, False on timeout.
-
-        A blocking call for threads (tests, benchmarks); coroutines use :meth:`wait_applied`.
-        """
-
-        def ready() -> bool:
-            return self._version >= version or (self._ready_version is not None and self._ready_version >= version)
-
-        with self._staged_cond:
-            return self._staged_cond.wait_for(ready, timeout_s)
-
-    def take_swaps(self) -> list[tuple[int, float]]:
-        with self._swap_lock:
-            out = list(self._swaps)
-            self._swaps.clear()
-        return out
-
-    @property
-    def ready_version(self) -> int | None:
-        """Version loaded in the standby and waiting for the next step boundary (None: nothing waiting)."""
-        return self._ready_version
-
     async def close(self) -> None:
         """Abort running samples (finish reason 'abort'), fail queued calls, stop the engine's threads."""
         self._closed = True
-        with self._stage_cond:
-            self._pending = None
-            if self._streaming is not None:
-                self._streaming.abort()
-            self._stage_cond.notify_all()
+        self._stop_loader()
         with self._queue_cond:
             self._queue_cond.notify_all()
         for name in ("_loader", "_worker"):
@@ -267,111 +145,6 @@ class TorchEngine(Engine):
             if thread is not None:
                 await asyncio.to_thread(thread.join)
                 setattr(self, name, None)
-
-    # ---------------------------------------------------------------- weight swap
-
-    def _loader_main(self) -> None:
-        threads = self.config.load_threads if self.device.type == "cpu" else 1
-        pool = ThreadPoolExecutor(threads, thread_name_prefix="torch-engine-copy") if threads > 1 else None
-        try:
-            self._load_loop(pool)
-        finally:
-            if pool is not None:
-                pool.shutdown()
-
-    def _load_loop(self, pool: ThreadPoolExecutor | None) -> None:
-        while True:
-            with self._stage_cond:
-                while self._pending is None and not self._closed:
-                    self._stage_cond.wait()
-                if self._closed:
-                    return
-                source, version = self._pending  # type: ignore[misc]
-                self._pending = None
-                self._streaming = source if isinstance(source, QueuedStream) else None
-            try:
-                self._load_standby(source, version, pool)
-                self.last_stage_error = None
-            except StreamAborted:
-                log.info("staged weight version %d was abandoned while it arrived; keeping version %d", version,
-                         self._version)  # fmt: skip
-            except Exception as exc:  # a bad version must not kill the loader; the old weights stay
-                self.last_stage_error = f"version {version}: {exc!r}"
-                log.exception("could not load staged weight version %d; keeping version %d", version, self._version)
-
-    def _load_standby(self, source: Mapping[str, torch.Tensor] | QueuedStream, version: int,
-                      pool: ThreadPoolExecutor | None) -> None:  # fmt: skip
-        with self._swap_lock:
-            self._ready_version = None  # the standby is about to be overwritten; an unapplied version is dropped
-            standby, slots = self._standby, self._slots_standby
-        if standby is None:
-            standby = self._new_standby()
-            slots = ParamSlots(standby)
-        assert slots is not None
-        t0 = time.perf_counter()
-        parts = source.parts() if isinstance(source, QueuedStream) else (source,)
-        if self.device.type == "cuda":
-            stream = torch.cuda.Stream(device=self.device)
-            with torch.cuda.stream(stream):
-                for tensors in parts:
-                    slots.copy_(tensors)
-            stream.synchronize()
-        else:
-            for tensors in parts:
-                slots.copy_(tensors, pool)
-        self.last_load_s = time.perf_counter() - t0
-        with self._swap_lock:
-            self._standby, self._slots_standby = standby, slots
-            if version <= self._version:
-                return
-            self._ready_version = version
-            self._staged_cond.notify_all()
-            if not self._busy:
-                self._swap_locked()
-
-    def _new_standby(self) -> PreTrainedModel:
-        """A second instance of the model architecture, parameters left uninitialised (a staged version
-        overwrites every one of them); buffers (e.g. rotary frequencies) are copied from the active model.
-        Skipping the random init makes the first swap of a 1 GB model seconds faster."""
-        cfg = self._active.config
-        dtype = next(self._active.parameters()).dtype
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-        model = model.to_empty(device=self.device)
-        model.tie_weights()  # to_empty turns tied meta parameters into separate ones
-        active_buffers = dict(self._active.named_buffers())
-        with torch.no_grad():
-            for name, buf in model.named_buffers():
-                buf.copy_(active_buffers[name])
-        return model.eval()
-
-    def _swap_locked(self) -> None:
-        """Exchange active and standby (caller holds ``_swap_lock`` and no forward is running)."""
-        t0 = time.perf_counter()
-        assert self._standby is not None and self._ready_version is not None and self._slots_standby is not None
-        self._active, self._standby = self._standby, self._active
-        self._slots_active, self._slots_standby = self._slots_standby, self._slots_active
-        self._version, self._ready_version = self._ready_version, None
-        self.last_swap_pause_s = time.perf_counter() - t0
-        self._swaps.append((self._version, time.time()))
-        self._staged_cond.notify_all()
-        done = [w for w in self._waiters if w[0] <= self._version]
-        for w in done:
-            self._waiters.remove(w)
-            try:
-                w[1].call_soon_threadsafe(_resolve, w[2])
-            except RuntimeError:  # the waiter's loop is closed
-                pass
-
-    def _step_model(self) -> tuple[PreTrainedModel, int]:
-        """The model and version for the next forward, after a swap if a staged version is ready."""
-        if self._ready_version is not None:
-            t0 = time.perf_counter()
-            with self._swap_lock:
-                if self._ready_version is not None:
-                    self._swap_locked()
-                    self.last_swap_pause_s = time.perf_counter() - t0
-        return self._active, self._version
 
     # ---------------------------------------------------------------- generation
 
@@ -451,20 +224,12 @@ class TorchEngine(Engine):
         rows = [r for req in batch for r in req.rows]
         max_new = [req.params.max_new_tokens for req in batch for _ in req.rows]
         flat: list[Completion] = []
-        with torch.inference_mode(), ExitStack() as stack:
-            with self._swap_lock:
-                self._busy = True
-            try:
-                self._recording = set()
-                step = self.config.max_batch_sequences
-                for start in range(0, len(rows), step):
-                    chunk = slice(start, start + step)
-                    flat.extend(self._generate_batch(rows[chunk], max_new[chunk], params, rng, stack))
-            finally:
-                with self._swap_lock:
-                    self._busy = False
-                    if self._ready_version is not None:
-                        self._swap_locked()
+        with torch.inference_mode(), ExitStack() as stack, self._batch_running():
+            self._recording = set()
+            step = self.config.max_batch_sequences
+            for start in range(0, len(rows), step):
+                chunk = slice(start, start + step)
+                flat.extend(self._generate_batch(rows[chunk], max_new[chunk], params, rng, stack))
         out, offset = [], 0
         for req in batch:
             n = req.params.n
@@ -636,9 +401,3 @@ def _deliver(req: _Request, result: object) -> None:
         req.loop.call_soon_threadsafe(settle)
     except RuntimeError:  # the caller's loop is closed
         pass
-
-
-def _resolve(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
