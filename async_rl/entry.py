@@ -87,13 +87,14 @@ def parse_config(cls: type[T], args: argparse.Namespace, prog: str) -> T:
     return cfg
 
 
-def check_task(task_cfg: Any, prog: str) -> None:
+def check_task(task_cfg: Any, prog: str) -> Any:
     """Build the task once at config time: a reward that does not import, a JSONL file that does not parse, or text
-    the tokenizer cannot encode exits 2 with one line, before any server is touched."""
+    the tokenizer cannot encode exits 2 with one line, before any server is touched. Returns the task, which the
+    process then uses (a dataset is loaded or generated once)."""
     from async_rl.tasks.config import build_task
 
     try:
-        build_task(task_cfg)
+        return build_task(task_cfg)
     except ValueError as exc:
         print(f"{prog}: config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

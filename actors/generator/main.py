@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
     args = config_parser(prog, "Generate scored groups of trajectories for a run.", GeneratorConfig).parse_args(argv)
 
     cfg = parse_config(GeneratorConfig, args, prog)
-    check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
+    task = check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
     if not cfg.run.redis_url or not cfg.run.nats_url:
         print(f"{prog}: config error: run.redis_url and run.nats_url (or ASYNC_RL_REDIS_URL / ASYNC_RL_NATS_URL) "
               "are required: a generator joins an existing run", file=sys.stderr)  # fmt: skip
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
     from async_rl.lifecycle import StartupError, first_task_failure
 
     async def _run() -> None:
-        gen = Generator(cfg)
+        gen = Generator(cfg, task=task)
         gen.install_signal_handlers()
         await gen.run()
 
