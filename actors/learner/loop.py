@@ -17,7 +17,7 @@ One step:
    is trained exactly once, every committed step has its metrics row, and the counters stay exact;
 5. publish weights every ``publish_every`` steps: the step waits only for a snapshot into reused host buffers;
    encoding (deltas), checksums and transfer run in the background while the next steps train, and a step that
-   finds a version still going out skips its own (:mod:`async_rl.weights.background`); the last step waits
+   finds a version still going out skips its own (:mod:`actors.learner.publishing`); the last step waits
    for its version to be out; log metrics (wandb, JSONL, console, NATS).
 
 A step the backend fails on does not stop the learner: each group is tried alone (a forward pass)
@@ -44,6 +44,7 @@ from actors.learner.batching import make_micro_batches
 from actors.learner.checkpoint import CheckpointManager, LearnerState
 from actors.learner.config import LearnerConfig
 from actors.learner.evaluation import Evaluator
+from actors.learner.publishing import Publishing, publish_metrics
 from actors.learner.samples import build_samples
 from actors.learner.signals import LearnerSignals
 from async_rl.algorithms import make_loss_fn
@@ -59,11 +60,7 @@ from async_rl.repeated import RepeatedLine
 from async_rl.run_end import announce_run_end, clear_run_end
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
-from async_rl.weights import WeightPublisher
-from async_rl.weights.background import BackgroundPublisher, PublishRecord
-from async_rl.weights.gpu_publisher import GpuPublisher, GpuSlotsOutOfMemory
-from async_rl.weights.manifest import GPU_TRANSPORT
-from async_rl.weights.transport import make_transport
+from async_rl.weights.background import PublishRecord
 from buffer.dead_letters import error_line
 from buffer.entry_checks import EntryChecker, ModelFacts
 from buffer.evals import EvalQueue
@@ -99,12 +96,8 @@ class Learner:
     _redis: aioredis.Redis | None
     _control: ControlPlane | None
     _signals: LearnerSignals
-    _publisher: WeightPublisher | None
-    _host: BackgroundPublisher | None
-    """The host transport's publisher (the one behind :attr:`_weights`, or :attr:`_weights` itself)."""
-    _weights: BackgroundPublisher | GpuPublisher | None
-    """Publishes the versions: from GPU buffers (same-host generators over CUDA IPC, feeding the host transport),
-    or through the host transport alone."""
+    _publishing: Publishing | None
+    """Snapshots the weights and hands each version to the GPU slots or the host transport."""
     _prompts: PromptQueue | None
     _reader: RolloutReader | None
     _metrics: MetricsLogger | None
@@ -132,8 +125,7 @@ class Learner:
         self._redis = None
         self._control = None
         self._signals = LearnerSignals(cfg)  # /metrics and the scaling signal
-        self._publisher = None
-        self._weights = self._host = None
+        self._publishing = None
         self._prompts = None
         self._reader = None
         self._metrics = None
@@ -177,28 +169,8 @@ class Learner:
         stack.push_async_callback(self._control.close)
         stack.callback(self._signals.close)
         await self._signals.start(self._redis, self._control)
-        transport = make_transport(cfg.transport, cfg.run.redis_url, names)
-        stack.push_async_callback(transport.close)
-        self._publisher = WeightPublisher(self._redis, transport, names, cfg.publisher, self._control)
-        await self._publisher.clean_staging()
-        host = BackgroundPublisher(self._publisher, on_commit=self._on_published)
-        stack.push_async_callback(host.aclose)  # before the transport closes: the version going out ends
-        self._weights = self._host = host
-        gpu_latest = None
-        export = self.backend.gpu_export(cfg.publisher) if cfg.publisher.gpu != "off" else None
-        if cfg.publisher.gpu == "on" and export is None:
-            raise ValueError(f"publisher.gpu=on needs the learner's weights on a CUDA GPU; this {cfg.backend} backend "
-                             f"publishes from {self.backend.publish_device}")  # fmt: skip
-        if export is not None:
-            gpu = GpuPublisher(self._redis, names, cfg.publisher, export, control=self._control,
-                               host=host if cfg.publisher.gpu_host_copies else None, on_commit=self._on_published)  # fmt: skip
-            gpu_latest = await gpu.latest_version()
-            await gpu.clean()  # the buffers of a previous learner's versions died with it
-            stack.push_async_callback(gpu.aclose)
-            self._weights = gpu
-            log.info("weights: versions kept in %d GPU slots for same-host generators (CUDA IPC)%s",
-                     cfg.publisher.gpu_slots,
-                     ", and published through the host transport" if cfg.publisher.gpu_host_copies else "")  # fmt: skip
+        self._publishing = Publishing(cfg, self.backend, on_commit=self._on_published)
+        await self._publishing.open(stack, self._redis, self._control)
         self._prompts = PromptQueue(self._redis, names, cfg.prompts)
         self._checker = EntryChecker(await asyncio.to_thread(_model_facts, cfg), num_samples=cfg.sampling.n)
         self._reader = RolloutReader(self._redis, names, cfg.rollouts, checker=self._checker, check_issued=True)
@@ -216,27 +188,7 @@ class Learner:
             ARCH_FIELD: encode_architecture(await asyncio.to_thread(architecture, cfg.model.name)),
             LEARNER_HOLD_FIELD: cfg.checkpoint.every * cfg.batch_groups,
         })  # fmt: skip
-        latest = await self._publisher.latest_version()
-        if gpu_latest is not None:
-            latest = max(latest if latest is not None else -1, gpu_latest)
-        if latest is not None and latest > self.state.version:
-            # Killed between a publish and the checkpoint covering it: the versions past the checkpoint came from
-            # lost steps, and their numbers are never reused (generators only take newer ones). The restored
-            # weights go out now as the next version, so generators leave the lost trajectory at once.
-            log.warning("weights v%d-v%d came from steps lost with the previous learner; the restored step %d "
-                        "is published as v%d", self.state.version + 1, latest, self.state.step, latest + 1)  # fmt: skip
-            self.state.version = latest + 1
-        elif latest is not None and latest == self.state.version and not transport.durable:
-            # The bytes of the visible version left with the previous learner's process (peer://): generators that
-            # start now, or miss a delta, would find no source. The restored weights go out again, as a new number.
-            log.info("weights v%d were served by the previous learner (transport %s keeps no bytes): the restored "
-                     "step %d is published as v%d", latest, transport.name, self.state.step, latest + 1)  # fmt: skip
-            self.state.version = latest + 1
-        if latest is None or latest < self.state.version:
-            await self._publish(wait=True)
-        else:
-            self.state.published_version = latest
-            host.published_version = latest  # out already: the loop's final flush has nothing to send
+        self._last_publish_s = await self._publishing.start(self.state)  # restored weights numbered and out
         self._checker.max_version = max(self.state.version, self.state.published_version)
         if cfg.eval.interval_versions:
             self._evals = Evaluator(cfg.eval, self._task, EvalQueue(self._redis, names, cfg.prompts), self.state,
@@ -260,8 +212,8 @@ class Learner:
                     continue
                 self._signals.batch_ready(waited_s=time.monotonic() - t0)
                 await self._step(entries)
-            if self._weights is not None:  # the last trained version goes out before the learner leaves
-                await self._publish(wait=True)
+            if self._publishing is not None:  # the last trained version goes out before the learner leaves
+                self._last_publish_s = await self._publishing.publish(self.state.version, wait=True)
             if self._unacked:  # the last steps since a checkpoint: commit them before leaving
                 await self._commit()
             if not self.stop_event.is_set():  # max_steps or target_reward: the run is over, everywhere
@@ -406,13 +358,14 @@ class Learner:
         num_tokens = sum(int(s.input_ids.size) for s in samples)
         counters = await self._counters()
         publishing = step % cfg.publish_every == 0
+        assert self._publishing is not None
         if publishing:  # snapshot now; the last step of the run waits for its version to be out
-            await self._publish(wait=bool(cfg.max_steps) and step >= cfg.max_steps)
-        assert self._weights is not None
-        committed = self._weights.take_records()
+            last = bool(cfg.max_steps) and step >= cfg.max_steps
+            self._last_publish_s = await self._publishing.publish(self.state.version, wait=last)
+        committed = self._publishing.take_records()
         evaluated: dict[str, float] = {}
         if self._evals is not None:  # a round due at this version goes out; the newest complete one is reported
-            await self._evals.maybe_issue(self.state.version, min_version=self._offered_version)
+            await self._evals.maybe_issue(self.state.version, min_version=self._offered_version())
             evaluated = await self._evals.collect()
         metrics: dict[str, Any] = {
             **{f"loss/{k}": v for k, v in result.metrics.items()},
@@ -424,11 +377,11 @@ class Learner:
             "staleness_group_max": max((version_before - g.min_version for g in groups), default=0),
             "max_staleness_seen": self._max_staleness_seen,
             # The newest version handed to the publisher (visible now or soon); weights/visible_version: committed.
-            "published_version": self._offered_version,
+            "published_version": self._offered_version(),
             "weights/visible_version": self.state.published_version,
-            "weights/versions_skipped": self._weights.versions_skipped,
+            "weights/versions_skipped": self._publishing.versions_skipped,
             "weights/publish_block_s": self._last_publish_s or 0.0,
-            **_publish_metrics(committed),
+            **publish_metrics(committed),
             **{f"buffer/{k}": v for k, v in counters.items()},
             **self._signals.fleet_metrics(),
             **evaluated,
@@ -445,8 +398,8 @@ class Learner:
         assert self._control is not None and self._redis is not None
         await self._redis.hset(self.cfg.run.names.learner_state, mapping={
             "version": self.state.version, "step": self.state.step, "published_version": self.state.published_version,
-            "versions_skipped": self._weights.versions_skipped,
-            **{k.removeprefix("weights/"): round(v, 6) for k, v in _publish_metrics(committed).items()},
+            "versions_skipped": self._publishing.versions_skipped,
+            **{k.removeprefix("weights/"): round(v, 6) for k, v in publish_metrics(committed).items()},
             **({"eval": json.dumps(evaluated)} if evaluated else {}),  # the newest round, for async-rl status
         })  # fmt: skip
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)}
@@ -546,39 +499,10 @@ class Learner:
                 self._metrics.log(int(step), row)
                 log.info("wrote the metrics row of committed step %d (lost with the previous learner)", step)
 
-    @property
     def _offered_version(self) -> int:
         """The newest version handed to the publisher (snapshotted; committed or going out)."""
-        assert self._weights is not None
-        inflight = self._weights.inflight_version
-        return max(self.state.published_version, inflight if inflight is not None else -1)
-
-    async def _publish(self, *, wait: bool = False) -> None:
-        """Snapshot the weights as the current version and publish them in the background (``wait``: until it is
-        out, after the version going out before it). A step that finds a version still going out skips its own."""
-        assert self._weights is not None
-        t0 = time.monotonic()
-        version = self.state.version
-        try:
-            if wait:
-                await self._weights.flush(version, self.backend.snapshot_source)
-                self._last_publish_s = time.monotonic() - t0
-                return
-            offered = await self._weights.offer(version, self.backend.snapshot_source)
-        except GpuSlotsOutOfMemory as exc:
-            if self.cfg.publisher.gpu == "on" or self._host is None or not isinstance(self._weights, GpuPublisher):
-                raise
-            log.warning("%s; publishing through the host transport only from now on", exc)
-            await self._weights.abandon()
-            self._weights = self._host
-            import torch
-
-            torch.cuda.empty_cache()  # the slots' memory back to the driver, for training
-            await self._publish(wait=wait)
-            return
-        if not offered:
-            log.debug("weights v%d skipped: v%s is still going out", version, self._weights.inflight_version)
-        self._last_publish_s = time.monotonic() - t0
+        assert self._publishing is not None
+        return self._publishing.offered_version(self.state.published_version)
 
     def _on_published(self, record: PublishRecord) -> None:
         """A version is visible: tokens of it may arrive from now on."""
@@ -604,23 +528,6 @@ def _model_facts(cfg: LearnerConfig) -> ModelFacts:
     from async_rl.models import load_model_config
 
     return ModelFacts.from_hf_config(load_model_config(cfg.model.name))
-
-
-def _publish_metrics(records: list[PublishRecord]) -> dict[str, float]:
-    """Metrics of the versions committed during a step (the newest one's sizes; empty when none was)."""
-    out: dict[str, float] = {}
-    host = [r for r in records if r.kind != GPU_TRANSPORT]
-    if host:
-        r = host[-1]
-        out.update({"weights/bytes": float(r.bytes_sent), "weights/full_bytes": float(r.full_bytes),
-                    "weights/delta_ratio": r.delta_ratio, "weights/publish_latency_s": r.latency_s,
-                    "weights/full": float(r.kind == "full")})  # fmt: skip
-    gpu = [r for r in records if r.kind == GPU_TRANSPORT]
-    if gpu:  # snapshot queued to the version visible in GPU buffers (same-host generators)
-        out["weights/gpu_publish_latency_s"] = gpu[-1].latency_s
-        out["weights/gpu_wait_s"] = gpu[-1].stats.pack_s  # the GPU's copies and checksums, seen from the host
-        out["weights/gpu_commit_s"] = gpu[-1].stats.put_s  # manifest committed and announced
-    return out
 
 
 class _Union:
