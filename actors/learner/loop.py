@@ -116,7 +116,8 @@ class Learner:
     _dropped_line: RepeatedLine
     """"dropped N groups over the staleness bound": once, then a summary every 30 s, never one line per batch."""
 
-    def __init__(self, cfg: LearnerConfig, backend: TrainingBackend) -> None:
+    def __init__(self, cfg: LearnerConfig, backend: TrainingBackend, *, task: Task | None = None) -> None:
+        """``task``: ``cfg.task`` built already (the entry point builds it to check the config); else built here."""
         self.cfg = cfg
         self.backend = backend
         self.state = LearnerState()
@@ -129,7 +130,7 @@ class Learner:
         self._prompts = None
         self._reader = None
         self._metrics = None
-        self._task = build_task(cfg.task)
+        self._task = task if task is not None else build_task(cfg.task)
         self._evals = None
         self._checkpoints = CheckpointManager(cfg.run.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self._last_ckpt_s = self._last_publish_s = None

@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
     args = config_parser(prog, "Train on a run's rollout stream; publish versioned weights.", LearnerConfig).parse_args(argv)
 
     cfg = parse_config(LearnerConfig, args, prog)
-    check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
+    task = check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
     setup_logging(args.log_level, "learner")
     import asyncio
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
             return 0
 
         async def _run() -> None:
-            learner = Learner(cfg, backend)
+            learner = Learner(cfg, backend, task=task)
             learner.install_signal_handlers()
             await learner.run()
 

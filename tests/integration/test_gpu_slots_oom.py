@@ -29,3 +29,46 @@ async def test_slots_that_do_not_fit_name_the_keys_and_leave_nothing_behind(redi
     assert await pub.latest_version() is None
     assert await redis_client.get(names.weights_gpu_manifest(7)) is None
     assert pub.slots.num_slots == 0 and pub.host is None
+
+
+async def test_learner_with_gpu_auto_falls_back_to_the_host_transport(redis_client, names, servers, caplog) -> None:
+    """A learner whose slots do not fit (publisher.gpu=auto) warns once, gives the GPU path up for good and publishes
+    the same version, and the next ones, through the host transport; with publisher.gpu=on the error stands."""
+    import contextlib
+    import logging
+
+    from actors.learner.checkpoint import LearnerState
+    from actors.learner.config import LearnerConfig
+    from actors.learner.publishing import Publishing
+    from actors.learner.torch_backend import TorchBackend
+    from async_rl.configurable import load_config
+    from async_rl.control import ControlPlane
+    from async_rl.models import load_model
+
+    class FullGpuBackend(TorchBackend):
+        """The quickstart's torch backend, its versions offered to slots that find the device full."""
+
+        def gpu_export(self, cfg: PublisherConfig) -> _FullGpu:
+            return _FullGpu("cpu", num_slots=cfg.gpu_slots)
+
+    def learner_cfg(gpu: str) -> LearnerConfig:
+        return load_config(LearnerConfig, None, [f"run.redis_url={servers.redis_url}", f"run.nats_url={servers.nats_url}",
+                                                 f"run.prefix={names.prefix}", f"publisher.gpu={gpu}"])  # fmt: skip
+
+    cfg = learner_cfg("auto")
+    backend = FullGpuBackend(load_model(cfg.model.name, seed=cfg.model.seed, dtype=cfg.model.dtype), cfg.torch)
+    async with contextlib.AsyncExitStack() as stack, ControlPlane(servers.nats_url, name="test") as control:
+        pub = Publishing(cfg, backend, on_commit=lambda _record: None)
+        await pub.open(stack, redis_client, control)
+        with caplog.at_level(logging.WARNING, logger="actors.learner.publishing"):
+            await pub.start(LearnerState())  # v0, waited for
+            await pub.publish(1, wait=True)
+        assert pub.weights is pub.host
+        assert await pub.publisher.latest_version() == 1
+        warned = [r.getMessage() for r in caplog.records if "host transport only" in r.getMessage()]
+        assert len(warned) == 1 and "publisher.gpu=off" in warned[0]
+    async with contextlib.AsyncExitStack() as stack, ControlPlane(servers.nats_url, name="test") as control:
+        strict = Publishing(learner_cfg("on"), backend, on_commit=lambda _record: None)
+        await strict.open(stack, redis_client, control)
+        with pytest.raises(GpuSlotsOutOfMemory):
+            await strict.publish(2, wait=True)
