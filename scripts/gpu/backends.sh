@@ -10,14 +10,14 @@ layers=${2:-2}
 mkdir -p "$out"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())")
 rc=0
-python3 -m pytest --noconftest -o addopts="" -q -s tests/gpu/test_chunked_logprobs_gpu.py 2>&1 | tail -8 \
+python3 -m pytest --noconftest -o addopts="" -q -s tests/gpu/test_chunked_logprobs_gpu.py tests/gpu/test_logit_stats_gpu.py 2>&1 | tail -8 \
     | tee "$out/chunked-logprobs-$gpu.log" || rc=1
 python3 -m actors.commands bench backends --preset qwen3-30b-a3b-slice --layers "$layers" --default-settings-only \
-    --logprob-chunk-tokens 0,4096 --json "$out/megatron-backends-${gpu}-30b-a3b-slice-${layers}l.json" 2>&1 \
+    --logprob-chunk-tokens 0,4096 --profile --json "$out/megatron-backends-${gpu}-30b-a3b-slice-${layers}l.json" 2>&1 \
     | grep -v Warning | tail -20 | tee "$out/backends-30b-a3b-slice.log" || rc=1
 python3 -m actors.commands bench backends --default-settings-only --layers 16 --hidden 1024 --experts 64 --top-k 8 \
     --moe-ffn 512 --heads 16 --kv-heads 4 --head-dim 64 --dense-first 0 --vocab 32768 --seq 1024 --batch 8 \
     --micro-batches 2 \
-    --logprob-chunk-tokens 0,4096 --json "$out/megatron-backends-${gpu}-1.6b.json" 2>&1 \
+    --logprob-chunk-tokens 0,4096 --profile --json "$out/megatron-backends-${gpu}-1.6b.json" 2>&1 \
     | grep -v Warning | tail -20 | tee "$out/backends-1.6b.log" || rc=1
 exit $rc

@@ -9,7 +9,8 @@ set -uo pipefail
 out=${1:?usage: verify.sh OUT_DIR}
 mkdir -p "$out"
 rc=0
-for t in tests/gpu/test_gpu_weights.py tests/gpu/test_chunked_logprobs_gpu.py tests/gpu/test_megatron_export.py \
+for t in tests/gpu/test_gpu_weights.py tests/gpu/test_chunked_logprobs_gpu.py tests/gpu/test_logit_stats_gpu.py \
+         tests/gpu/test_megatron_export.py \
          tests/gpu/test_megatron_backend.py tests/gpu/test_torch_backend_gpu.py; do
     name=$(basename "$t" .py)
     timeout 300 python3 -m pytest -q -s -p no:cacheprovider "$t" > "$out/$name.txt" 2>&1 || rc=1
