@@ -56,7 +56,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, *, temperature: flo
     contiguous) under ``softmax(mask(logits) / temperature)``, and the entropy when asked; differentiable in
     ``logits``. ``masked_ids``: vocabulary columns set to :data:`~async_rl.token_mask.MASKED_LOGIT` first (the
     sampling mask). ``fused``: the Triton kernels (None: on CUDA when Triton imports and the logits are bf16, fp16
-    or fp32)."""
+    or fp32). A target outside ``[0, V)`` gives a NaN logprob there (the plain torch path raises instead)."""
     if logits.dim() not in (2, 3) or targets.shape != logits.shape[:-1]:
         raise ValueError(f"need logits [N, V] or [B, T, V] and targets of the leading shape, got "
                          f"{tuple(logits.shape)} and {tuple(targets.shape)}")  # fmt: skip

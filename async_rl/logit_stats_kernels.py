@@ -40,9 +40,10 @@ def stats_fwd(x_ptr, stride_b, stride_t, T, tgt_ptr, mask_ptr, lp_ptr, lse_ptr, 
         m = m_new
     lse = m + tl.log(s)
     tgt = tl.load(tgt_ptr + r)
-    zt = tl.load(base + tgt).to(tl.float32)
+    inside = (tgt >= 0) & (tgt < V)  # a target outside the vocabulary reads nothing and gives NaN, never other memory
+    zt = tl.load(base + tgt, mask=inside, other=float("nan")).to(tl.float32)
     if HAS_MASK:
-        zt = tl.where(tl.load(mask_ptr + tgt) != 0, masked_logit, zt)
+        zt = tl.where(tl.load(mask_ptr + tgt, mask=inside, other=0) != 0, masked_logit, zt)
     tl.store(lp_ptr + r, zt / temperature - lse)
     tl.store(lse_ptr + r, lse)
     if WITH_ENT:

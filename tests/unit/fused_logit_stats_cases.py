@@ -91,3 +91,10 @@ def test_chunked_logprobs_take_the_kernels(monkeypatch: pytest.MonkeyPatch, entr
         torch.testing.assert_close(ent, rent, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gh, rgh, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(gw, rgw, rtol=1e-4, atol=1e-5)
+
+
+def test_a_target_outside_the_vocabulary_gives_nan_not_a_stray_read() -> None:
+    logits = torch.randn(3, 20).to(DEV)
+    lp, _ = token_stats(logits, torch.tensor([1, 20, -1]).to(DEV), fused=True)
+    assert torch.isfinite(lp[0]) and torch.isnan(lp[1:]).all()
+
