@@ -2,7 +2,8 @@
 # Learner backends on one GPU at real MoE shapes (issue 28), reproducible: the chunked-logprobs GPU test (values,
 # gradients and peak memory at the 151,936 vocabulary), then `bench backends` on the Qwen3-30B-A3B slice (Megatron
 # with SDPA + grouped experts; torch with full logits and with logprob chunks of 4096), then on the 1.65B shape of
-# `bench loop` (16 layers, hidden 1024, 64 experts top-8, every layer MoE as the moe-1.6b preset). One JSON per bench in OUT_DIR; logs beside them.
+# `bench loop` (16 layers, hidden 1024, 64 experts top-8, every layer MoE as the moe-1.6b preset); with two GPUs, the
+# slice under EP=2 against one GPU on the same 16k-token micro-batches. One JSON per bench in OUT_DIR; logs beside them.
 #   scripts/gpu/backends.sh OUT_DIR [LAYERS]      (LAYERS of the slice, default 2; 4 is tight for Megatron)
 set -euo pipefail
 out=${1:?usage: backends.sh OUT_DIR [LAYERS]}
@@ -20,4 +21,15 @@ python3 -m actors.commands bench backends --default-settings-only --layers 16 --
     --micro-batches 2 \
     --logprob-chunk-tokens 0,4096 --profile --json "$out/megatron-backends-${gpu}-1.6b.json" 2>&1 \
     | grep -v Warning | tail -20 | tee "$out/backends-1.6b.log" || rc=1
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    # EP=2 on two GPUs against one GPU (tokens/s per GPU), both on micro-batches of up to 16k tokens so that each of
+    # the two data-parallel ranks holds a sequence of most micro-batches.
+    python3 -m actors.commands bench backends --preset qwen3-30b-a3b-slice --layers "$layers" --backends megatron \
+        --micro-batch-tokens 16384 --json "$out/megatron-backends-${gpu}-30b-a3b-slice-${layers}l-16k.json" 2>&1 \
+        | grep -v Warning | tail -4 | tee "$out/backends-30b-a3b-slice-16k.log" || rc=1
+    torchrun --standalone --nproc-per-node 2 -m actors.commands bench backends --preset qwen3-30b-a3b-slice \
+        --layers "$layers" --backends megatron --expert-parallel 2 --micro-batch-tokens 16384 \
+        --json "$out/megatron-backends-${gpu}x2-ep2-30b-a3b-slice-${layers}l-16k.json" 2>&1 \
+        | grep -v Warning | tail -4 | tee "$out/backends-30b-a3b-slice-ep2.log" || rc=1
+fi
 exit $rc

@@ -117,6 +117,18 @@ def test_bench_flags_are_checked_before_the_gpu_is_asked_for() -> None:
         main(["--preset", "qwen3-30b-a3b-slice", "--layers", "0"])
     with pytest.raises(SystemExit, match="--logprob-chunk-tokens takes integers"):
         main(["--preset", "qwen3-30b-a3b-slice", "--logprob-chunk-tokens", "0,big"])
+    with pytest.raises(SystemExit, match="--expert-parallel must divide the 1 process"):
+        main(["--preset", "qwen3-30b-a3b-slice", "--expert-parallel", "2"])
+
+
+def test_under_torchrun_only_megatron_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from actors.commands.bench.backends import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="only --backends megatron runs"):
+        main(["--preset", "qwen3-30b-a3b-slice", "--expert-parallel", "2"])
+    with pytest.raises(SystemExit, match="--expert-parallel must divide the 2 process"):
+        main(["--preset", "qwen3-30b-a3b-slice", "--backends", "megatron", "--expert-parallel", "3"])
 
 
 def test_a_tiny_slice_step_is_cut_counted_and_trains_on_the_cpu() -> None:

@@ -13,7 +13,7 @@ the step's token slots that are padding):
     model FLOPs per token = 6 * (matmul parameters a token touches: attention, router, top-k experts or
                                  the dense MLP, LM head) + 6 * layers * n * heads * head_dim  (causal attention,
                                  n the token's sequence length: sum n^2 / sum n over the step)
-    MFU = model FLOPs per second / the GPU's dense bf16 peak
+    MFU = model FLOPs per second / (the GPU's dense bf16 peak x GPUs)
 
 Activation recompute adds a forward pass of hardware work that model FLOPs do not count (as is usual).
 Needs a CUDA GPU and, for the Megatron rows, megatron-core (Python >= 3.12).
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -115,6 +116,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--backends", default="megatron,torch", help="comma-separated: megatron, torch")
+    ap.add_argument("--expert-parallel", type=int, default=1,
+                    help="Megatron's expert parallelism; above 1 run under torchrun (e.g. torchrun --nproc-per-node 2 "
+                         "-m actors.commands bench backends --backends megatron --expert-parallel 2): every rank "
+                         "trains the same step, each micro-batch's rows split over the data-parallel ranks (give "
+                         "--micro-batch-tokens room for one sequence per rank); rows then add world_size, "
+                         "tokens_per_s_per_gpu, and MFU per GPU")
     ap.add_argument("--profile", action="store_true",
                     help="profile one step of each backend's first setting: GPU busy share, kernel time by kind, "
                          "top kernels (step_profile.py), printed and stored in the row")
@@ -151,11 +158,22 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or any(b not in ("megatron", "torch") for b in backends):
         raise SystemExit(f"{prog}: --backends takes megatron and/or torch, got {args.backends!r}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.expert_parallel <= 0 or world % args.expert_parallel:
+        raise SystemExit(f"{prog}: --expert-parallel must divide the {world} process(es) torchrun started, got "
+                         f"{args.expert_parallel}")  # fmt: skip
+    if world > 1 and backends != ["megatron"]:
+        raise SystemExit(f"{prog}: under torchrun ({world} processes) only --backends megatron runs (the torch backend "
+                         "trains on one GPU)")  # fmt: skip
+    if world > 1:
+        args.default_settings_only = True  # one backend per process: megatron's groups are built once
+    rank = int(os.environ.get("RANK", "0"))
 
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit(f"{prog}: needs a CUDA GPU")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun: this rank's GPU from the start
     from actors.learner.megatron.toy import build_hf, nll_loss, toy_config
 
     cfg = toy_config(num_layers=args.layers, dense_first=bool(args.dense_first), vocab_size=args.vocab,
@@ -183,11 +201,14 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
         tps = tokens / med
         row: dict[str, Any] = {"backend": backend, "setting": setting, "step_time_s_median": med, "step_times_s": times,
                "tokens_per_s": tps, "model_tflops_per_s": fpt * tps / 1e12,
-               "mfu": (fpt * tps / peak) if peak else None,
+               "mfu": (fpt * tps / (peak * world)) if peak else None,
                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "padding_frac": pad}  # fmt: skip
+        if world > 1:
+            row.update(world_size=world, expert_parallel=args.expert_parallel, tokens_per_s_per_gpu=tps / world)
         rows.append(row)
-        print(f"{backend:9s} {setting:62s} {med * 1e3:8.1f} ms/step {tps:10.0f} tok/s "
-              f"MFU {row['mfu'] if row['mfu'] is None else round(100 * row['mfu'], 1)}%", flush=True)  # fmt: skip
+        if rank == 0:
+            print(f"{backend:9s} {setting:62s} {med * 1e3:8.1f} ms/step {tps:10.0f} tok/s "
+                  f"MFU {row['mfu'] if row['mfu'] is None else round(100 * row['mfu'], 1)}%", flush=True)  # fmt: skip
 
     if "megatron" in backends:
         from actors.learner.megatron.backend import MegatronBackend
@@ -199,15 +220,20 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
             settings = settings[:1]
         for attention, experts, recompute in settings:
             torch.cuda.reset_peak_memory_stats()
-            mcfg = MegatronConfig(dtype="bfloat16", recompute=recompute, lr=1e-5, attention=attention, experts=experts)
+            mcfg = MegatronConfig(dtype="bfloat16", recompute=recompute, lr=1e-5, attention=attention, experts=experts,
+                                  expert_parallel=args.expert_parallel)  # fmt: skip
             meg = MegatronBackend(mcfg, hf_config, sd)
             times = _time_steps(
                 lambda meg=meg: meg.train_step(mbs, nll_loss, replay_routes=True), args.warmup, args.steps
             )
             record("megatron", f"local spec, {attention} attn, {experts} experts, replay, recompute={recompute}", times)
             if args.profile and attention == "sdpa" and experts == "grouped" and not recompute:
-                rows[-1]["profile"] = profile_step(partial(meg.train_step, mbs, nll_loss, replay_routes=True))
-                print(format_profile("megatron", rows[-1]["profile"]), flush=True)
+                step = partial(meg.train_step, mbs, nll_loss, replay_routes=True)
+                if rank == 0:  # the step is collective: the other ranks run it unprofiled
+                    rows[-1]["profile"] = profile_step(step)
+                    print(format_profile("megatron", rows[-1]["profile"]), flush=True)
+                else:
+                    step()
             meg.close()
             del meg
             torch.cuda.empty_cache()
@@ -234,6 +260,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
     result = {
         "bench": "backends", "date": datetime.now(UTC).isoformat(timespec="seconds"), "device": dev,
         "peak_bf16_flops": peak, "python": platform.python_version(), "torch": torch.__version__,
+        "world_size": world, "expert_parallel": args.expert_parallel,
         "model": {"type": "qwen3_moe", "preset": args.preset, "layers": args.layers, "hidden": args.hidden,
                   "experts": args.experts, "top_k": args.top_k, "moe_ffn": args.moe_ffn, "heads": args.heads,
                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "vocab": args.vocab,
@@ -250,7 +277,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
         result["megatron_core"] = megatron.core.__version__
     except ImportError:
         pass
-    if args.json is not None:
+    if args.json is not None and rank == 0:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
     return 0
