@@ -101,10 +101,8 @@ def fused_forward(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tenso
     lse = torch.empty_like(lp)
     ent = torch.empty(rows if with_entropy else 0, dtype=torch.float32, device=x.device)
     if rows:
-        block = _block(v)
         fwd[(rows,)](x, sb, st, t, tgt, mask if mask is not None else tgt, lp, lse, ent, v, temperature,
-                     HAS_MASK=mask is not None, WITH_ENT=with_entropy, BLOCK=block,
-                     num_warps=8 if block >= 2048 else 4)  # fmt: skip
+                     HAS_MASK=mask is not None, WITH_ENT=with_entropy, **_launch(v))  # fmt: skip
     return lp, lse, ent
 
 
@@ -122,16 +120,16 @@ def fused_backward(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tens
     use_ent = ent is not None and g_ent is not None
     g_e = g_ent.reshape(-1).float().contiguous() if use_ent and g_ent is not None else g_lp
     if rows:
-        block = _block(v)
         bwd[(rows,)](x, sb, st, t, grad, tgt, mask if mask is not None else tgt, lse,
                      ent if use_ent and ent is not None else lse, g_lp, g_e, v, temperature,
-                     HAS_MASK=mask is not None, WITH_ENT=use_ent, BLOCK=block,
-                     num_warps=8 if block >= 2048 else 4)  # fmt: skip
+                     HAS_MASK=mask is not None, WITH_ENT=use_ent, **_launch(v))  # fmt: skip
     return grad
 
 
-def _block(vocab: int) -> int:
-    return min(_BLOCK, max(16, 1 << (vocab - 1).bit_length()))
+def _launch(vocab: int) -> dict[str, int]:
+    """Both kernels' block of columns and warps for this vocabulary."""
+    block = min(_BLOCK, max(16, 1 << (vocab - 1).bit_length()))
+    return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
 
 
 @functools.cache

@@ -100,15 +100,13 @@ class Generator:
     """Set when the work loop has ended: background loops finish."""
     run_ended: RunEnded | None
     """The end of the run, once the learner announced it."""
-    _given_task: Task | None
-    """The task the entry point built while checking the config (None: :meth:`setup` builds it)."""
     _metrics: GeneratorMetrics
     """Prometheus /metrics (a no-op unless prometheus.port is set)."""
 
     def __init__(self, cfg: GeneratorConfig, *, task: Task | None = None) -> None:
-        """``task``: ``cfg.task`` built already (the entry point builds it to check the config); else built here."""
+        """``task``: ``cfg.task`` built already (the entry point builds it to check the config); else :meth:`setup`
+        builds it."""
         self.cfg = cfg
-        self._given_task = task
         self.stop_event = asyncio.Event()
         self.resume_event = asyncio.Event()
         self.resume_event.set()
@@ -122,7 +120,7 @@ class Generator:
         self._control = None
         self._engine = None
         self._sync = None
-        self._task = None
+        self._task = task
         self._prompts = None
         self._held = []
         self._evals = None
@@ -137,7 +135,8 @@ class Generator:
         False when stopped while waiting for the first weights."""
         cfg, names = self.cfg, self.cfg.run.names
         assert cfg.run.redis_url and cfg.run.nats_url, "URLs are resolved by the entry point"
-        self._task = self._given_task if self._given_task is not None else build_task(cfg.task)
+        if self._task is None:
+            self._task = build_task(cfg.task)
         self._metrics.start()
         stack.callback(self._metrics.close)
         self._redis = redis_client(cfg.run.redis_url)  # bounded retries, then the error ends the process
