@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from actors.learner.megatron import replay
+from actors.learner.megatron.balance import rebalance
 from actors.learner.megatron.checkpoint_reader import write_rank_layout
 from actors.learner.megatron.config import MegatronConfig
 from actors.learner.megatron.convert import ModelArch, RankNaming, hf_to_mcore, local_state
@@ -362,8 +363,13 @@ class MegatronBackend(MegatronWeights):
                 out = replay.backward_switch(out, replaying=plan is not None)
             return out, partial(loss_func, item)
 
-        seq, rows = self.shares.schedule_shape(micro_batches)
-        items = (self.shares.cut(mb, replaying) for mb in micro_batches)
+        # A training step's rows go to the DP ranks balanced by tokens (balance.py); a forward-only pass keeps its one
+        # micro-batch's rows in order, since the outputs come back by row.
+        whole = not forward_only and self.dp_size > 1
+        if whole:
+            micro_batches = [r[self.dp_rank] for r in rebalance(micro_batches, self.dp_size)]
+        seq, rows = self.shares.schedule_shape(micro_batches, whole)
+        items = (self.shares.cut(mb, replaying, whole) for mb in micro_batches)
         fb = get_forward_backward_func()
         with replay.schedule_scope() if driving else _null():
             if record:

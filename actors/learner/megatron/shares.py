@@ -59,21 +59,25 @@ class ShareCutter:
     """Experts per MoE layer; 0 where there is nothing to replay (a dense model, or router replay off)."""
     device: torch.device
 
-    def rows(self, num_sequences: int) -> np.ndarray:
-        """Row indices of a micro-batch this DP rank takes: contiguous, shares differing by at most one."""
+    def rows(self, num_sequences: int, whole: bool = False) -> np.ndarray:
+        """Row indices of a micro-batch this DP rank takes: contiguous, shares differing by at most one (``whole``:
+        every row, for a micro-batch that is already this rank's own, as :func:`~actors.learner.megatron.balance.
+        rebalance` makes them)."""
+        if whole:
+            return np.arange(num_sequences)
         return np.array_split(np.arange(num_sequences), self.dp_size)[self.dp_rank]
 
-    def schedule_shape(self, micro_batches: Sequence[MicroBatch]) -> tuple[int, int]:
+    def schedule_shape(self, micro_batches: Sequence[MicroBatch], whole: bool = False) -> tuple[int, int]:
         """(local sequence length, rows) of this rank's largest share of these micro-batches (a dummy share has one
         row): what megatron's schedule is told before any share is cut."""
         seq = max(len(self.tokens.cp_positions(self.tokens.padded_length(int(mb.input_ids.shape[1]))))
                   for mb in micro_batches)  # fmt: skip
-        return seq, max(max(len(self.rows(mb.num_sequences)), 1) for mb in micro_batches)
+        return seq, max(max(len(self.rows(mb.num_sequences, whole)), 1) for mb in micro_batches)
 
-    def cut(self, mb: MicroBatch, replay_routes: bool) -> Share:
-        """This rank's DP share of ``mb``, padded for CP/SP, with its replay indices (when ``replay_routes`` and the
-        share carries routes), uploaded to the device."""
-        rows = self.rows(mb.num_sequences)
+    def cut(self, mb: MicroBatch, replay_routes: bool, whole: bool = False) -> Share:
+        """This rank's DP share of ``mb`` (``whole``: all of it; none: a dummy share), padded for CP/SP, with its
+        replay indices (when ``replay_routes`` and the share carries routes), uploaded to the device."""
+        rows = self.rows(mb.num_sequences, whole)
         t_real = int(mb.input_ids.shape[1])
         seq = self.tokens.padded_length(t_real)
         share = _rows_of(mb, rows, seq - t_real) if rows.size else _dummy(mb, seq)
