@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from actors.commands.bench.step_profile import busy_time, categorise
+from actors.commands.bench.step_profile import busy_time, categorise, top_ops
 
 
 @pytest.mark.parametrize(
@@ -16,7 +17,10 @@ from actors.commands.bench.step_profile import busy_time, categorise
         ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "gemm"),
         ("void at::cuda::detail::grouped_mm_kernel<cutlass::bfloat16_t>", "grouped_gemm"),
         ("void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16, long>", "copy"),
-        ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t>>", "reduction"),
+        (
+            "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t>>",
+            "reduction",
+        ),
         ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
         ("some_custom_kernel", "other"),
     ],
@@ -30,3 +34,22 @@ def test_busy_time_counts_overlaps_once() -> None:
     assert busy_time([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
     assert busy_time([(0.0, 5.0), (1.0, 2.0)]) == pytest.approx(5.0)  # nested
     assert busy_time([(2.0, 3.0), (0.0, 1.0)]) == pytest.approx(2.0)  # unsorted
+
+
+def _transposed_product(a: torch.Tensor) -> torch.Tensor:
+    return a.t().contiguous() @ a
+
+
+def test_top_ops_names_the_op_its_shapes_and_the_calling_frame() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(256, 64)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+        for _ in range(3):
+            _transposed_product(a)
+    ops = top_ops(prof.events(), time_attr="self_cpu_time_total")
+    assert ops and all(o["op"].startswith("aten::") for o in ops)
+    assert [o["s"] for o in ops] == sorted((o["s"] for o in ops), reverse=True)
+    mm = next(o for o in ops if o["op"] == "aten::mm")
+    assert mm["calls"] == 3 and mm["shapes"] == [[64, 256], [256, 64]]
+    assert any("test_step_profile.py" in f and "_transposed_product" in f for f in mm["stack"])

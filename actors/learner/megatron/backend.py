@@ -42,7 +42,7 @@ from actors.learner.megatron.checkpoint_reader import write_rank_layout
 from actors.learner.megatron.config import MegatronConfig
 from actors.learner.megatron.convert import ModelArch, RankNaming, hf_to_mcore, local_state
 from actors.learner.megatron.launch import init_distributed
-from actors.learner.megatron.logits import CPGather, token_stats
+from actors.learner.megatron.logits import CPGather, batch_major_logits, token_stats
 from actors.learner.megatron.routes import (
     PipelineSplit,
     TokenSplit,
@@ -204,6 +204,8 @@ class MegatronBackend(MegatronWeights):
             post_process=self.is_last, share_embeddings_and_output_weights=self.arch.tie_embeddings,
             position_embedding_type="rope", rotary_base=int(self.arch.rope_theta), parallel_output=True,
         )  # fmt: skip
+        if self.is_last and not self.cfg.sequence_parallel:
+            batch_major_logits(model.output_layer)
         return model.to(self.device)
 
     def _build_ddp_and_optimizer(self) -> None:

@@ -12,6 +12,24 @@ from async_rl import logit_stats
 from async_rl.token_mask import mask_logits
 
 
+def batch_major_logits(output_layer: torch.nn.Module) -> None:
+    """Have megatron's output layer compute its logits batch-major (``[b, s, V]``) and hand them on as an ``[s, b, V]``
+    view, so that ``GPTModel``'s ``logits.transpose(0, 1).contiguous()`` copies nothing. Without this, that copy and
+    the matching one of the gradient are strided passes over the largest tensor of the step (16k tokens x 151,936
+    bf16 = 4.9 GB each way). The hidden states are transposed instead: ``h / V`` of the bytes. Only without sequence
+    parallelism, whose gather runs along the sequence dimension inside the layer."""
+
+    def to_batch_major(module, args, kwargs):  # type: ignore[no-untyped-def]
+        return (args[0].transpose(0, 1).contiguous(), *args[1:]), kwargs
+
+    def to_sequence_major(module, args, kwargs, output):  # type: ignore[no-untyped-def]
+        logits, bias = output
+        return logits.transpose(0, 1), bias
+
+    output_layer.register_forward_pre_hook(to_batch_major, with_kwargs=True)
+    output_layer.register_forward_hook(to_sequence_major, with_kwargs=True)
+
+
 class CPGather(torch.autograd.Function):
     """All-gather a ``[b, T_local]`` tensor over CP into ``[b, T]``; backward keeps this rank's positions only."""
 
