@@ -40,11 +40,11 @@ def _transposed_product(a: torch.Tensor) -> torch.Tensor:
     return a.t().contiguous() @ a
 
 
-def test_top_ops_names_the_op_its_shapes_and_the_calling_frame() -> None:
+def test_top_ops_names_the_op_and_its_shapes() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     a = torch.randn(256, 64)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(3):
             _transposed_product(a)
     ops = top_ops(prof.events(), time_attr="self_cpu_time_total")
@@ -52,4 +52,3 @@ def test_top_ops_names_the_op_its_shapes_and_the_calling_frame() -> None:
     assert [o["s"] for o in ops] == sorted((o["s"] for o in ops), reverse=True)
     mm = next(o for o in ops if o["op"] == "aten::mm")
     assert mm["calls"] == 3 and mm["shapes"] == [[64, 256], [256, 64]]
-    assert any("test_step_profile.py" in f and "_transposed_product" in f for f in mm["stack"])

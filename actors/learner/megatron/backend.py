@@ -40,7 +40,8 @@ from actors.learner.megatron import replay
 from actors.learner.megatron.balance import rebalance
 from actors.learner.megatron.checkpoint_reader import write_rank_layout
 from actors.learner.megatron.config import MegatronConfig
-from actors.learner.megatron.convert import ModelArch, RankNaming, hf_to_mcore, local_state
+from actors.learner.megatron.convert import ModelArch, RankNaming, hf_to_mcore, local_state, shard
+from actors.learner.megatron.dispatcher import use_local_dispatchers
 from actors.learner.megatron.launch import init_distributed
 from actors.learner.megatron.logits import CPGather, batch_major_logits, token_stats
 from actors.learner.megatron.routes import (
@@ -206,6 +207,8 @@ class MegatronBackend(MegatronWeights):
         )  # fmt: skip
         if self.is_last and not self.cfg.sequence_parallel:
             batch_major_logits(model.output_layer)
+        if not self.te_spec and self.cfg.experts == "grouped":  # counts on the device: our grouped experts take them
+            use_local_dispatchers(model)  # where one rank holds every expert (dispatcher.py)
         return model.to(self.device)
 
     def _build_ddp_and_optimizer(self) -> None:
@@ -243,8 +246,6 @@ class MegatronBackend(MegatronWeights):
         local = local_state(glob, self.naming, self.arch, self.tp_rank, self.cfg.tensor_parallel,
                             self.etp_rank, self.etp_size)  # fmt: skip
         if self.arch.tie_embeddings and self.is_last and not self.is_first:
-            from actors.learner.megatron.convert import shard
-
             local["output_layer.weight"] = shard("output_layer.weight", glob["embedding.word_embeddings.weight"],
                                                  self.tp_rank, self.cfg.tensor_parallel)  # fmt: skip
         params = dict(self.gpt.named_parameters())
