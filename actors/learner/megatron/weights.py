@@ -29,7 +29,7 @@ from async_rl.weights.config import PublisherConfig
 from async_rl.weights.cuda_ipc import IpcHandle
 from async_rl.weights.gpu_publisher import local_slots
 from async_rl.weights.gpu_ranks import DistributedGpuSlots
-from async_rl.weights.gpu_slots import GpuExport, GpuFill, PieceSource
+from async_rl.weights.gpu_slots import GpuExport, GpuFill, GpuSlots, PieceSource
 from async_rl.weights.manifest import BucketEntry, ManifestTensor
 from async_rl.weights.snapshot import Piece
 
@@ -51,7 +51,6 @@ def expand_stacked(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[
             yield f"{m.group(1)}local_experts.{e}.{fc}.weight", p[e]
 
 
-
 class MegatronWeights(TrainingBackend):
     """The weights side of :class:`~actors.learner.megatron.backend.MegatronBackend` (module docstring)."""
 
@@ -65,8 +64,8 @@ class MegatronWeights(TrainingBackend):
     dp_rank: int
     etp_rank: int
     etp_size: int
-    _gpu_slots: DistributedGpuSlots | None
-    """This rank's GPU slots of its own pieces (several ranks, the GPU weight path)."""
+    _gpu_slots: DistributedGpuSlots | GpuSlots | None
+    """This rank's GPU slots of its own pieces (the GPU weight path; one rank: plain slots)."""
     _gpu_cfg: PublisherConfig | None
 
     def _command(self, name: str, payload: dict) -> dict:
@@ -126,7 +125,14 @@ class MegatronWeights(TrainingBackend):
         """One rank: GPU slots filled from the converted weights. Several: every rank's own slots of its own pieces
         (:class:`MegatronGpuExport`), filled by one command."""
         if torch.distributed.get_world_size() == 1:
-            return super().gpu_export(cfg)
+            # One rank too copies its own pieces (views of the parameters) into its slots, rather than the converted
+            # weights (mcore_to_hf's launches ran inside the snapshot: 34 ms of the 1.65B MoE's step); its slots hold
+            # the whole version, so the host transport is still fed from them.
+            local = super().gpu_export(cfg)
+            if not isinstance(local, GpuSlots):
+                return local
+            self._gpu_cfg, self._gpu_slots = cfg, local
+            return MegatronGpuExport(self, local)
         if self.arch.num_experts and self.cfg.fused_experts_export and self.etp_size > 1:
             # rank_export cannot cut transformers' fused expert tensors by expert tensor parallelism.
             log.warning("weights: no GPU path with expert_tensor_parallel=%d and fused expert names; set "
@@ -179,12 +185,12 @@ def rank_slots(cfg: PublisherConfig) -> DistributedGpuSlots:
 
 
 class MegatronGpuExport:
-    """Rank 0's face of every rank's GPU slots (module docstring)."""
+    """Rank 0's face of every rank's GPU slots (module docstring), or of one rank's own."""
 
     backend: MegatronWeights
-    slots: DistributedGpuSlots
+    slots: DistributedGpuSlots | GpuSlots
 
-    def __init__(self, backend: MegatronWeights, slots: DistributedGpuSlots) -> None:
+    def __init__(self, backend: MegatronWeights, slots: DistributedGpuSlots | GpuSlots) -> None:
         self.backend, self.slots = backend, slots
 
     @property
@@ -197,7 +203,7 @@ class MegatronGpuExport:
 
     @property
     def hands_over(self) -> bool:
-        return False
+        return self.slots.hands_over  # one rank's slots hold the whole version
 
     def fill(self, slot: int, version: int, source: PieceSource) -> GpuFill:
         """Every rank copies its own pieces (``source``, the gathered export, is not used)."""
