@@ -100,6 +100,11 @@ class Heartbeat:
     applied_latency_s: list[float] = field(default_factory=list)
     """For each weight version swapped in since the previous heartbeat: seconds from the learner's snapshot of it
     to the swap (same host: one clock)."""
+    standby_load_s: list[float] = field(default_factory=list)
+    """For each weight version swapped in since the previous heartbeat: seconds the engine took to copy it into its
+    standby weights (engines with a standby: the torch engine)."""
+    swap_wait_s: list[float] = field(default_factory=list)
+    """For each of those versions: seconds from loaded in the standby to swapped in (the next step boundary)."""
     sent_at: float = field(default_factory=time.time)
     """Unix time of this heartbeat."""
 

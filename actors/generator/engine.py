@@ -110,6 +110,11 @@ class Engine(abc.ABC):
         track them; others: none)."""
         return []
 
+    def take_swap_timings(self) -> list[tuple[float, float]]:
+        """(seconds copying into the standby, seconds waiting from loaded to swapped) of every swap since the last
+        call (engines with a standby; others: none)."""
+        return []
+
     @abc.abstractmethod
     async def wait_applied(self, version: int, timeout_s: float | None = None) -> bool:
         """Wait until ``version`` (or newer) is in use; True if it is, False on timeout."""

@@ -259,6 +259,7 @@ class Generator:
 
     def _heartbeat(self, tokens_per_s: float = 0.0) -> Heartbeat:
         assert self._engine is not None
+        timings = self._engine.take_swap_timings()
         return Heartbeat(
             generator_id=self.cfg.generator_id, engine=self.cfg.engine, version=self._engine.version,
             tokens_per_s=tokens_per_s, in_flight=len(self._held), state=self.state,
@@ -268,6 +269,7 @@ class Generator:
             fetch_s=self._sync.last_fetch.total_s if self._sync and self._sync.last_fetch else 0.0,
             generate_s=self.generate_s, version_wait_s=self.version_wait_s,
             applied_latency_s=self._applied_latencies(),
+            standby_load_s=[round(a, 6) for a, _ in timings], swap_wait_s=[round(b, 6) for _, b in timings],
             staged_latency_s=self._sync.take_staged_latencies() if self._sync is not None else [],
         )  # fmt: skip
 

@@ -74,6 +74,10 @@ class WeightSwap:
     _loader: threading.Thread | None
     _swaps: deque[tuple[int, float]]
     """(version, unix time) of swaps not yet taken by :meth:`take_swaps`."""
+    _swap_timings: deque[tuple[float, float]]
+    """(standby copy seconds, loaded-to-swapped seconds) of swaps not yet taken by :meth:`take_swap_timings`."""
+    _ready_at: float
+    """``time.perf_counter()`` when the ready version finished loading."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         """``model`` is the active model, already on the engine's device."""
@@ -81,6 +85,8 @@ class WeightSwap:
         self._slots_active = ParamSlots(self._active)
         self._slots_standby = None
         self._swaps = deque(maxlen=SWAPS_KEPT)
+        self._swap_timings = deque(maxlen=SWAPS_KEPT)
+        self._ready_at = 0.0
         self._standby = None
         self._version = -1
         self._ready_version = None
@@ -171,6 +177,12 @@ class WeightSwap:
             self._swaps.clear()
         return out
 
+    def take_swap_timings(self) -> list[tuple[float, float]]:
+        with self._swap_lock:
+            out = list(self._swap_timings)
+            self._swap_timings.clear()
+        return out
+
     # ---------------------------------------------------------------- loader and swap
 
     def _stop_loader(self) -> None:
@@ -236,6 +248,7 @@ class WeightSwap:
             if version <= self._version:
                 return
             self._ready_version = version
+            self._ready_at = time.perf_counter()
             self._staged_cond.notify_all()
             if not self._busy:
                 self._swap_locked()
@@ -265,6 +278,7 @@ class WeightSwap:
         self._version, self._ready_version = self._ready_version, None
         self.last_swap_pause_s = time.perf_counter() - t0
         self._swaps.append((self._version, time.time()))
+        self._swap_timings.append((self.last_load_s, t0 - self._ready_at))
         self._staged_cond.notify_all()
         done = [w for w in self._waiters if w[0] <= self._version]
         for w in done:

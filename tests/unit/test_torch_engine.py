@@ -253,6 +253,9 @@ async def test_swap_pause_does_not_grow_with_model_size():
         assert engine.version == 3
         assert all(c.versions.tolist() == [-1, -1, 3, 3, 3, 3][: c.versions.size] for g in groups for c in g)
         pauses[name] = engine.last_swap_pause_s
+        ((load_s, wait_s),) = engine.take_swap_timings()  # the heartbeat's standby_load_s and swap_wait_s
+        assert load_s == engine.last_load_s > 0 and wait_s >= 0
+        assert engine.take_swap_timings() == []
         num_params = sum(p.numel() for p in engine.model.parameters())
         assert name == "tiny" or num_params > 20 * 224_000
         await engine.close()

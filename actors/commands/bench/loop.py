@@ -14,7 +14,9 @@ Summary fields: ``steps``, ``wall_s``, ``steps_per_s`` (after ``--warmup-steps``
 learner reports it; else ``non_train_frac``: the share of each step interval not spent training),
 ``learner_tokens_per_s``, ``generator_tokens_per_s``, ``generator_fetch_s``, ``swap_pause_ms``,
 ``version_to_applied_s`` (seconds from the learner's snapshot of a version to a generator's swap to it: p50, p95,
-per generator), ``gpu_publish_latency_s`` (snapshot to visible in GPU buffers), ``learner_idle_frac`` (time waiting
+per generator; ``version_to_staged_s`` likewise to its hand-over to the engine, and ``standby_load_s`` and
+``swap_wait_s`` for the rest: the engine's copy into its standby weights, then the wait for a step boundary),
+``gpu_publish_latency_s`` (snapshot to visible in GPU buffers), ``learner_idle_frac`` (time waiting
 for rollouts), ``generator_idle_frac`` (time not generating, from the
 heartbeats' ``generate_s``), ``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
 ``peak_memory_gib`` (the learner's, GPU), ``tracebacks`` (lines in any process log; a clean run has none); with
@@ -192,6 +194,8 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
     steady_beats = [b for b in beats if start is None or b.sent_at >= start]
     out["version_to_applied_s"] = version_to_applied(steady_beats)
     out["version_to_staged_s"] = _latencies(steady_beats, "staged_latency_s")
+    out["standby_load_s"] = _latencies(steady_beats, "standby_load_s")
+    out["swap_wait_s"] = _latencies(steady_beats, "swap_wait_s")
     out["generators_seen"] = sorted(latest)
     return out
 
