@@ -1,6 +1,7 @@
 """Every rank publishes its own pieces into its own GPU slots; a reader in another process assembles them bit for bit.
 
     torchrun --nproc-per-node 2 scripts/megatron/check_gpu_export.py --ep 2 --out OUT/gpu-export-ep2.json
+    torchrun --nproc-per-node 1 scripts/megatron/check_gpu_export.py --out OUT/gpu-export-1.json   (one rank: its own pieces too)
 
 A toy Qwen3-MoE (8 experts, the first layer dense) in bfloat16 under the given layout, leader and followers as the
 learner runs them. Rank 0 publishes versions through the GPU path with every rank filling its own slots
@@ -99,7 +100,8 @@ async def _lead(meg, mb, loss, args) -> dict:  # type: ignore[no-untyped-def]
                                     "reader_total_s": round(got["total_s"], 4)})  # fmt: skip
             res["ok"] = res["ok"] and not bad and not extra
             out.unlink()
-        res["ranks_buckets"] = export.slots.counts
+        slots = export.slots  # every rank's (DistributedGpuSlots) or, with one rank, its own (GpuSlots)
+        res["ranks_buckets"] = getattr(slots, "counts", None) or [len(slots.bucket_sizes)]
     finally:
         await pub.aclose()
         await redis.aclose()
