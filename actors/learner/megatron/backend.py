@@ -51,8 +51,8 @@ from actors.learner.megatron.routes import (
     scatter_recorded,
 )
 from actors.learner.megatron.shares import Share, ShareCutter, gather_rows
-from actors.learner.megatron.spec import decoder_block_spec
-from actors.learner.megatron.weights import STACKED, MegatronWeights
+from actors.learner.megatron.spec import STACKED_EXPERTS, decoder_block_spec
+from actors.learner.megatron.weights import MegatronWeights
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import parts_to_floats, reduce_metrics
 from async_rl.moe import route_dtype
@@ -250,7 +250,7 @@ class MegatronBackend(MegatronWeights):
                                                  self.tp_rank, self.cfg.tensor_parallel)  # fmt: skip
         params = dict(self.gpt.named_parameters())
         for name in params:
-            if (m := STACKED.match(name)) is not None:  # grouped experts: stack the per-expert tensors
+            if (m := STACKED_EXPERTS.match(name)) is not None:  # grouped experts: stack the per-expert tensors
                 prefix, which = m.group(1), m.group(2)
                 fc = "linear_fc1" if which == "1" else "linear_fc2"
                 n = params[name].shape[0]

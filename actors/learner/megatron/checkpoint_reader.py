@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
-import re
 import types
 from pathlib import Path
 
@@ -29,13 +28,12 @@ from actors.learner.megatron.convert import (
     tp_kind,
     unshard,
 )
+from actors.learner.megatron.spec import STACKED_EXPERTS
 
 RANK_FILE = "megatron_rank{rank:05d}.pt"
 """A rank's saved state: ``{"model": module state dict, "optimizer": ...}``."""
 LAYOUT_FILE = "megatron_rank{rank:05d}.json"
 """A rank's place in the parallel layout (:func:`write_rank_layout`)."""
-_STACKED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])$")
-"""Stacked expert weights of the grouped experts module, as the backend names them."""
 
 
 def write_rank_layout(directory: Path, rank: int, naming: RankNaming, *, tp_rank: int, tp_size: int, etp_rank: int,
@@ -120,7 +118,7 @@ _lenient_pickle = types.SimpleNamespace(__name__="pickle", Unpickler=_LenientUnp
 def _expand_grouped(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """A stacked grouped-experts weight (``experts.weight1 [E, ...]``, see :mod:`.spec`) as per-expert
     ``local_experts.{e}`` names that :func:`~.convert.global_name` reads; any other entry as it is."""
-    m = _STACKED.match(name)
+    m = STACKED_EXPERTS.match(name)
     if m is None:
         return [(name, tensor)]
     fc = "linear_fc1" if m.group(2) == "1" else "linear_fc2"

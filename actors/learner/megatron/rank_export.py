@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import torch
 
 from actors.learner.megatron.convert import GLOBAL_EXPERT_NAME, LAYER_NAME, ModelArch, RankNaming, global_name, tp_kind
+from actors.learner.megatron.spec import STACKED_EXPERTS
 from async_rl.weights.snapshot import Piece
 
 # Replicated megatron tensors (relative to ``decoder.layers.{i}.``) -> their Hugging Face name (relative to
@@ -80,6 +81,25 @@ def rank_pieces(
             out += _dense_pieces(arch, g, t, tp_rank, tp_size)
     for (layer, fc), by_expert in sorted(stacked.items()):
         out += _stacked_expert_pieces(arch, layer, fc, by_expert)
+    return out
+
+
+def stacked_expert_pieces(stacked: Mapping[str, torch.Tensor], naming: RankNaming, arch: ModelArch) -> list[Piece]:
+    """Fused expert tensors straight from the grouped experts' stacked weights (``...experts.weight1`` /
+    ``weight2``, local names; :data:`~actors.learner.megatron.spec.STACKED_EXPERTS`), with expert tensor
+    parallelism 1: ``weight1 [E_local, 2I, H]`` is ``gate_up_proj``'s rows of this rank's experts and ``weight2
+    [E_local, H, I]`` ``down_proj``'s, so each is one view. What :func:`rank_pieces` gives for their per-expert
+    split, without splitting 2 x E_local views per layer and stacking them again (the host time of a version)."""
+    out = []
+    for name, t in stacked.items():
+        m = STACKED_EXPERTS.match(name)
+        g = global_name(name, naming, arch.moe_layers)
+        layer = LAYER_NAME.match(g or "")
+        if m is None or layer is None:
+            raise ValueError(f"per-rank export: {name!r} is not a stacked expert weight")
+        fused = "gate_up_proj" if m.group(2) == "1" else "down_proj"
+        out.append(_piece(f"model.layers.{layer.group(1)}.mlp.experts.{fused}", t,
+                          (arch.num_experts, *t.shape[1:]), 0, naming.expert_offset))  # fmt: skip
     return out
 
 

@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import torch
 
 _LOCAL_NORMS = ("WrappedTorchNorm", "FusedLayerNorm")
+
+STACKED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])$")
+"""A stacked weight of :func:`grouped_experts_class` by its (local) parameter name: groups (prefix, 1 or 2)."""
 
 
 class TorchRMSNorm(torch.nn.Module):

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +23,8 @@ import torch
 from actors.learner.backend import TrainingBackend
 from actors.learner.megatron.config import MegatronConfig
 from actors.learner.megatron.convert import ModelArch, RankNaming, global_name, mcore_to_hf, tp_kind, unshard
-from actors.learner.megatron.rank_export import rank_pieces
+from actors.learner.megatron.rank_export import rank_pieces, stacked_expert_pieces
+from actors.learner.megatron.spec import STACKED_EXPERTS
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.cuda_ipc import IpcHandle
 from async_rl.weights.gpu_publisher import local_slots
@@ -35,14 +35,12 @@ from async_rl.weights.snapshot import Piece
 
 log = logging.getLogger(__name__)
 
-STACKED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])$")
-"""Stacked expert weights of the grouped experts module (see :mod:`actors.learner.megatron.spec`)."""
 
 
 def expand_stacked(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameters with each stacked expert weight split into per-expert ``local_experts.{e}`` names."""
     for name, p in named:
-        m = STACKED.match(name)
+        m = STACKED_EXPERTS.match(name)
         if m is None:
             yield name, p
             continue
@@ -153,11 +151,17 @@ class MegatronWeights(TrainingBackend):
 
         if self._gpu_slots is None:  # a follower's first fill
             self._gpu_slots = rank_slots(cfg)
-        local = {name: p.detach() for name, p in expand_stacked(self.gpt.named_parameters())}
-        pieces = rank_pieces(local, self.naming, self.arch, tp_rank=self.tp_rank, tp_size=self.cfg.tensor_parallel,
-                             etp_rank=self.etp_rank, etp_size=self.etp_size, dense=self.dp_rank == 0 and self.cp_rank == 0,
-                             experts=ps.get_expert_data_parallel_rank() == 0,
+        named = {name: p.detach() for name, p in self.gpt.named_parameters()}
+        experts = ps.get_expert_data_parallel_rank() == 0
+        stacked = {}
+        if self.cfg.fused_experts_export and self.etp_size == 1:  # grouped experts' stacked weights: one view each
+            stacked = {n: named.pop(n) for n in [n for n in named if STACKED_EXPERTS.match(n)]}
+        pieces = rank_pieces(dict(expand_stacked(iter(named.items()))), self.naming, self.arch, tp_rank=self.tp_rank,
+                             tp_size=self.cfg.tensor_parallel, etp_rank=self.etp_rank, etp_size=self.etp_size,
+                             dense=self.dp_rank == 0 and self.cp_rank == 0, experts=experts,
                              fused_experts=self.cfg.fused_experts_export)  # fmt: skip
+        if experts:
+            pieces += stacked_expert_pieces(stacked, self.naming, self.arch)
         return self._gpu_slots.fill(slot, version, pieces)
 
     @property

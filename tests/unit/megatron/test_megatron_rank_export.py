@@ -112,3 +112,36 @@ def test_consecutive_expert_views_stack_without_a_copy() -> None:
     assert torch.equal(copied, torch.stack(apart)) and copied.data_ptr() != stacked.data_ptr()
     loose = [torch.randn(4, 3) for _ in range(2)]
     assert torch.equal(_stacked(loose), torch.stack(loose))
+
+
+@pytest.mark.parametrize("ep_rank", [0, 1])
+def test_stacked_expert_weights_give_the_same_pieces_as_views(ep_rank: int) -> None:
+    import re
+
+    from actors.learner.megatron.rank_export import stacked_expert_pieces
+
+    model = _qwen3()
+    arch = ModelArch.from_hf_config(model.config)
+    glob = hf_to_mcore({k: v.clone() for k, v in model.state_dict().items()}, arch)
+    local_experts = arch.num_experts // 2
+    naming = RankNaming(num_local_layers=arch.num_layers, expert_offset=ep_rank * local_experts,
+                        num_local_experts=local_experts, has_embedding=True, has_output=True)  # fmt: skip
+    local = local_state(glob, naming, arch, 0, 1, 0, 1)
+    per_expert = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
+    stacked: dict[str, torch.Tensor] = {}
+    for layer in range(arch.num_layers):
+        for fc in ("1", "2"):
+            ts = [local[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc{fc}.weight"]
+                  for e in range(local_experts) if f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc{fc}.weight" in local]  # fmt: skip
+            if ts:  # the grouped experts' parameter, as the backend names it
+                stacked[f"decoder.layers.{layer}.mlp.experts.weight{fc}"] = torch.stack(ts)
+    assert stacked
+    experts_only = {k: v for k, v in local.items() if per_expert.match(k)}
+    want = rank_pieces(experts_only, naming, arch, tp_rank=0, tp_size=1, dense=False, experts=True)
+    got = stacked_expert_pieces(stacked, naming, arch)
+    key = sorted((p.name, p.full_shape, p.dim, p.start) for p in want)
+    assert sorted((p.name, p.full_shape, p.dim, p.start) for p in got) == key
+    by_name = {p.name: p for p in want}
+    for p in got:
+        assert torch.equal(p.tensor, by_name[p.name].tensor)
+        assert any(p.tensor.data_ptr() == s.data_ptr() for s in stacked.values())  # a view of the parameter
