@@ -9,7 +9,9 @@
   tensor-parallel slices, pipeline stage and expert-parallel experts; of replicas only one rank) into its own slot,
   on its side stream, and the ranks' checksums meet on rank 0 in one collective queued behind them
   (:mod:`async_rl.weights.gpu_ranks`). A same-host generator maps every rank's buffers and assembles the tensors
-  on its own GPU. No gather.
+  on its own GPU. No gather. One rank does the same (its slots then hold the whole version, and feed the host
+  transport), with the grouped experts' stacked weights as one view each
+  (:func:`~actors.learner.megatron.rank_export.stacked_expert_pieces`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from async_rl.weights.manifest import BucketEntry, ManifestTensor
 from async_rl.weights.snapshot import Piece
 
 log = logging.getLogger(__name__)
-
 
 
 def expand_stacked(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -120,8 +121,8 @@ class MegatronWeights(TrainingBackend):
         return iter(sorted(hf.items()))
 
     def gpu_export(self, cfg: PublisherConfig) -> GpuExport | None:
-        """One rank: GPU slots filled from the converted weights. Several: every rank's own slots of its own pieces
-        (:class:`MegatronGpuExport`), filled by one command."""
+        """Every rank's own GPU slots of its own pieces (:class:`MegatronGpuExport`), filled by one command; with one
+        rank, its slots hold the whole version."""
         if torch.distributed.get_world_size() == 1:
             # One rank too copies its own pieces (views of the parameters) into its slots, rather than the converted
             # weights (mcore_to_hf's launches ran inside the snapshot: 34 ms of the 1.65B MoE's step); its slots hold
