@@ -10,7 +10,9 @@ after all its prompts are scored (or, if some were dead-lettered, once a newer r
 and each reward component over its samples, how many prompts it had, its version and the oldest weight version
 its tokens came from. The round bookkeeping (next round, results cursor, partial sums) lives in the learner
 state's ``extra["eval"]``, saved with each checkpoint beside the rows it went into: a restarted learner neither
-loses nor double-counts a result, and re-issues only the prompts of a round that are not open already.
+loses nor double-counts a result, and re-issues only the prompts of a round that are not open already. A prompt it
+re-issues may have been answered already (its results not yet read when the checkpoint was taken): each prompt of a
+round counts once, and a round once reported takes no more results.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class Evaluator:
     @property
     def _book(self) -> dict[str, Any]:
         """The round bookkeeping in the learner state (checkpointed with it)."""
-        return self.state.extra.setdefault("eval", {"next_round": 0, "cursor": "0-0", "rounds": {}})
+        return self.state.extra.setdefault("eval", {"next_round": 0, "cursor": "0-0", "rounds": {}, "reported": -1})
 
     async def maybe_issue(self, version: int, min_version: int | None = None) -> int:
         """Issue a round when ``version`` has reached the next one due; returns the prompts issued.
@@ -109,8 +111,18 @@ class Evaluator:
         book = self._book
         results, book["cursor"] = await self.queue.results(book["cursor"])
         rounds: dict[str, dict[str, Any]] = book["rounds"]
+        reported = int(book.get("reported", -1))
         for r in results:
+            # A learner restarted from a checkpoint taken before its round's prompts were answered issues them again
+            # (answered prompts are not open any more), so the same prompt can be answered twice: count each prompt of
+            # a round once, and nothing of a round already reported.
+            if r.round <= reported:
+                continue
             rd = rounds.setdefault(str(r.round), _empty_round())
+            seen = rd.setdefault("ids", [])
+            if r.prompt_id in seen:
+                continue
+            seen.append(r.prompt_id)
             rd["label"] = r.label
             rd["prompts"] += 1
             rd["samples"] += len(r.rewards)
@@ -122,6 +134,7 @@ class Evaluator:
         if not done:
             return {}
         newest = max(done)
+        book["reported"] = newest
         report = rounds[str(newest)]
         for v in [v for v in rounds if int(v) <= newest]:  # older incomplete rounds (dead letters) are closed too
             del rounds[v]
@@ -135,4 +148,4 @@ class Evaluator:
 
 
 def _empty_round() -> dict[str, Any]:
-    return {"label": "", "prompts": 0, "samples": 0, "sums": {}, "min_version": -1}
+    return {"label": "", "prompts": 0, "samples": 0, "sums": {}, "min_version": -1, "ids": []}

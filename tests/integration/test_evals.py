@@ -88,3 +88,29 @@ async def test_a_dead_lettered_eval_prompt_is_counted_and_the_round_closes_with_
     got = await ev.collect()
     assert got["eval/copy/version"] == 1.0 and got["eval/copy/num_prompts"] == 2.0
     assert ev._book["rounds"] == {}  # round 0 closed with round 1
+
+
+async def test_a_round_reissued_after_a_restart_is_reported_once(redis_client, names: Names) -> None:
+    """A learner killed after its round was answered but before a checkpoint read the results: the restarted one
+    issues the round again (answered prompts are not open), so each prompt comes back twice; the round is still
+    reported once, over its 4 prompts."""
+    task = build_task(TaskConfig(name="copy"))
+    queue = EvalQueue(redis_client, names)
+    cfg = EvalConfig(interval_versions=4, num_prompts=4)
+    ev = Evaluator(cfg, task, queue, LearnerState(), Sampling(n=8))
+    checkpoint = LearnerState(extra={"eval": {"next_round": 0, "cursor": "0-0", "rounds": {}}})  # before round 0
+    assert await ev.maybe_issue(0) == 4
+    for e in await queue.read("g", 10):
+        await queue.finish(e, _answer(task, e))
+    want = await ev.collect()
+    assert want["eval/copy/num_prompts"] == 4.0
+    restarted = Evaluator(cfg, task, queue, checkpoint, Sampling(n=8))  # an older checkpoint's book (no "reported")
+    assert await restarted.maybe_issue(0) == 4  # answered prompts are not open: issued again
+    entries = await queue.read("g", 10)
+    for e in entries[:2]:  # half the copies answered before the restarted learner first reads results
+        await queue.finish(e, _answer(task, e))
+    assert await restarted.collect() == want  # the first 4 results; the 2 copies counted nowhere
+    for e in entries[2:]:
+        await queue.finish(e, _answer(task, e))
+    assert await restarted.collect() == {}  # a reported round takes no more results
+    assert restarted._book["rounds"] == {}
