@@ -61,7 +61,7 @@ def rebalance(micro_batches: Sequence[MicroBatch], dp_size: int) -> list[list[Mi
     if not micro_batches:
         return []
     picks = [(mb, r) for mb in micro_batches for r in range(mb.num_sequences)]
-    lengths = [int(mb.attention_mask[r].sum()) for mb, r in picks]
+    lengths = [int(n) for mb in micro_batches for n in mb.attention_mask.sum(dim=1).tolist()]  # picks' order
     cap = max(-(-mb.num_sequences * int(mb.input_ids.shape[1]) // dp_size) for mb in micro_batches)
     out = []
     for parts in balanced_rounds(lengths, dp_size, cap):

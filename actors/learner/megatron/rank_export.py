@@ -187,23 +187,8 @@ def _stacked_expert_pieces(arch: ModelArch, layer: int, fc: str, by_expert: dict
         if e is not None and e == run[-1] + 1:
             run.append(e)
             continue
-        part = _stacked([by_expert[i] for i in run])
+        part = torch.stack([by_expert[i] for i in run])
         out.append(_piece(name, part, (arch.num_experts, *part.shape[1:]), 0, run[0]))
         if e is not None:
             run = [e]
     return out
-
-
-def _stacked(ts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(ts)``, as a view without a copy when the tensors lie one after another in one storage (the grouped
-    experts' stacked weights, split per expert by name): a version's experts are then copied once, into the slots."""
-    first = ts[0]
-    size = first.numel()
-    if first.is_contiguous() and all(
-        t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype
-        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and t.storage_offset() == first.storage_offset() + i * size
-        for i, t in enumerate(ts)
-    ):  # fmt: skip
-        return first.as_strided((len(ts), *first.shape), (size, *first.stride()))
-    return torch.stack(ts)

@@ -100,20 +100,6 @@ def test_fused_experts_split_by_expert_tensor_parallelism_are_refused() -> None:
                     tp_rank=0, tp_size=1)  # fmt: skip
 
 
-def test_consecutive_expert_views_stack_without_a_copy() -> None:
-    from actors.learner.megatron.rank_export import _stacked
-
-    stacked = torch.randn(6, 4, 3)  # a grouped-experts weight, split per expert by name
-    views = [stacked[i] for i in range(6)]
-    got = _stacked(views[1:4])
-    assert torch.equal(got, stacked[1:4]) and got.data_ptr() == stacked[1].data_ptr()  # a view: no copy
-    apart = [stacked[0], stacked[2]]
-    copied = _stacked(apart)  # not one after another: stacked as before
-    assert torch.equal(copied, torch.stack(apart)) and copied.data_ptr() != stacked.data_ptr()
-    loose = [torch.randn(4, 3) for _ in range(2)]
-    assert torch.equal(_stacked(loose), torch.stack(loose))
-
-
 @pytest.mark.parametrize("ep_rank", [0, 1])
 def test_stacked_expert_weights_give_the_same_pieces_as_views(ep_rank: int) -> None:
     import re
