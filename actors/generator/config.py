@@ -130,6 +130,10 @@ class WeightSyncConfig:
     gpu: bool = True
     """A CUDA torch engine on the learner's host takes the versions the learner keeps in GPU memory over CUDA IPC
     (a GPU-to-GPU copy, milliseconds), falling back to the host transport where it cannot map them."""
+    fresh_wait_s: float = 0.05
+    """A batch about to start while a newer version is announced and on its way waits up to this long for it (once
+    per version): the batch then runs on the newest weights, and the swap needs no decode step boundary. Same-host
+    GPU versions arrive in tens of milliseconds; a slower one is not waited for twice. 0: never wait."""
     stream: bool = True
     """Hand a full version to an engine that takes one in parts (the torch engine) bucket by bucket as each is
     verified, so that its copy overlaps the fetch; false: whole versions only."""
@@ -147,6 +151,8 @@ class WeightSyncConfig:
             raise ValueError("generator.weight_sync.max_backoff_s must be > 0")
         if self.max_retries < 1:
             raise ValueError("generator.weight_sync.max_retries must be >= 1")
+        if self.fresh_wait_s < 0:
+            raise ValueError("generator.weight_sync.fresh_wait_s must be >= 0")
 
 
 def default_generator_id() -> str:

@@ -82,7 +82,10 @@ class Generator:
     generate_s: float
     """Seconds spent in the engine's generate since start (heartbeats carry it: the busy share)."""
     version_wait_s: float
-    """Seconds spent waiting for a prompt's ``min_version`` (synchronous mode) since start."""
+    """Seconds spent waiting for a prompt's ``min_version`` (synchronous mode), or for a version about to arrive
+    (``weight_sync.fresh_wait_s``), since start."""
+    _fresh_waited: int
+    """The newest version a batch waited for (:meth:`_fresh_weights`)."""
     state: str
     _redis: aioredis.Redis | None
     _control: ControlPlane | None
@@ -115,6 +118,7 @@ class Generator:
         self.num_prompts = 0
         self.num_tokens = 0
         self.generate_s = self.version_wait_s = 0.0
+        self._fresh_waited = -1
         self.state = "starting"
         self._redis = None
         self._control = None
@@ -405,18 +409,32 @@ class Generator:
         sp = entry.spec.sampling or self.cfg.sampling
         return sp if sp.max_new_tokens else dataclasses.replace(sp, max_new_tokens=self._task.max_new_tokens)
 
+    async def _fresh_weights(self) -> None:
+        """Before a batch: a newer version announced and on its way is waited for, up to ``weight_sync.fresh_wait_s``
+        and once per version (the batch then runs on it, and its swap waits for no decode step)."""
+        sync, engine, wait_s = self._sync, self._engine, self.cfg.weight_sync.fresh_wait_s
+        assert engine is not None
+        if sync is None or wait_s <= 0:
+            return
+        wanted = sync.wanted_version
+        if wanted <= engine.version or wanted <= self._fresh_waited or wanted in sync.refused:
+            return
+        self._fresh_waited = wanted
+        await engine.wait_applied(wanted, wait_s)
+
     async def _generate(self, group: list[PromptEntry], params: SamplingParams) -> list[list[Sample]]:
         """The group's scored samples; first, in synchronous mode, the weight version its prompts ask for (the
         weight sync task fetches it; an abort cancels the wait with the generation). An environment task runs one
         episode per sample (:mod:`actors.generator.episodes`), all of them at once."""
         assert self._engine is not None and self._task is not None
         need = max(e.spec.min_version for e in group)
-        if self._engine.version < need:
-            t0 = time.monotonic()
-            try:
+        t0 = time.monotonic()
+        try:
+            if self._engine.version < need:
                 await self._engine.wait_applied(need)
-            finally:
-                self.version_wait_s += time.monotonic() - t0
+            await self._fresh_weights()
+        finally:
+            self.version_wait_s += time.monotonic() - t0
         t0 = time.monotonic()
         task, engine = self._task, self._engine
         try:

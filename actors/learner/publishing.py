@@ -167,7 +167,7 @@ def publish_metrics(records: list[PublishRecord]) -> dict[str, float]:
         r = host[-1]
         out.update({"weights/bytes": float(r.bytes_sent), "weights/full_bytes": float(r.full_bytes),
                     "weights/delta_ratio": r.delta_ratio, "weights/publish_latency_s": r.latency_s,
-                    "weights/full": float(r.kind == "full")})  # fmt: skip
+                    "weights/full": float(r.kind == "full"), "weights/encode_s": r.stats.pack_s})  # fmt: skip
     gpu = [r for r in records if r.kind == GPU_TRANSPORT]
     if gpu:  # snapshot queued to the version visible in GPU buffers (same-host generators)
         out["weights/gpu_publish_latency_s"] = gpu[-1].latency_s

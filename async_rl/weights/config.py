@@ -55,6 +55,15 @@ class PublisherConfig:
     gpu_host_copies: bool = True
     """With the GPU path on, also publish versions through the host transport (as many as it sustains, never
     blocking a step) for generators on other hosts or that cannot map the learner's GPU."""
+    gpu_encode: bool = True
+    """With the GPU path on and the whole version in one rank's slots: the host transport's versions are encoded on
+    the GPU (a delta of the changed elements where that is faster at the link's measured rate, checksums there too;
+    async_rl/weights/gpu_encoder.py). It keeps one more copy of the weights on the GPU, the base of the next delta,
+    when ``delta`` is on. False: they are snapshot to host memory and encoded on the CPU (XOR + zstd)."""
+    link_gbps: float = 0.0
+    """The rate, in Gbit/s, at which host versions reach generators, for the choice between a delta and a whole
+    version made on the GPU (``gpu_encode``); 0: measured (the peer transport's streams to children, or the bucket
+    writes of a transport whose writes cross the link, e.g. Redis)."""
     gpu_retry_s: float = 0.05
     """At a flush that finds every GPU slot leased: wait this long before trying again."""
 
@@ -77,6 +86,8 @@ class PublisherConfig:
             raise ValueError("publisher.gpu_bucket_bytes must be > 0")
         if self.gpu_dtype and self.gpu_dtype not in FLOAT_DTYPES:
             raise ValueError(f"publisher.gpu_dtype must be one of {list(FLOAT_DTYPES)} or '', got {self.gpu_dtype!r}")
+        if self.link_gbps < 0:
+            raise ValueError(f"publisher.link_gbps must be >= 0 (0: measured), got {self.link_gbps}")
         if self.gpu_retry_s <= 0:
             raise ValueError("publisher.gpu_retry_s must be > 0")
 

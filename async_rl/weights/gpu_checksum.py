@@ -61,6 +61,29 @@ def wsum64(buf: torch.Tensor) -> torch.Tensor:
     return (rows * _multipliers(rows.numel(), 0, device)).sum() + (cols * col_weights).sum()
 
 
+def wsum64_region(buf: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """The checksum of ``nbytes`` bytes of ``buf`` (flat uint8) from ``offset`` (a multiple of 4), as :func:`wsum64` of
+    those bytes alone zero-padded: the bytes of a piece in a bucket, without a copy of it. The bytes from ``offset +
+    nbytes`` to the next multiple of 4 must be zeros in ``buf`` (padding, as in every bucket). Queued on the current
+    stream, a 0-d int64 tensor."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or offset % 4:
+        raise ValueError(f"wsum64_region takes a flat uint8 tensor and an offset that is a multiple of 4, got "
+                         f"{buf.dtype} {tuple(buf.shape)} at {offset}")  # fmt: skip
+    end = offset + -(-nbytes // 4) * 4
+    if end > buf.numel():
+        raise ValueError(f"wsum64_region: {nbytes} bytes at {offset} run past the buffer's {buf.numel()}")
+    words = buf[offset:end].view(torch.int32)
+    full = words.numel() // ROW_WORDS * ROW_WORDS
+    main = words[:full].view(-1, ROW_WORDS)
+    tail = torch.zeros(ROW_WORDS, dtype=torch.int32, device=buf.device)
+    tail[: words.numel() - full] = words[full:]
+    rows = torch.cat([main.sum(dim=1, dtype=torch.int32), tail.sum(dim=0, dtype=torch.int32).view(1)]).to(torch.int64)
+    cols = (main.sum(dim=0, dtype=torch.int32) + tail).to(torch.int64)  # int32 addition wraps, as the sums do
+    device = str(buf.device)
+    col_weights = _multipliers(ROW_WORDS, _WSUM_COLUMN_SALT, device)
+    return (rows * _multipliers(rows.numel(), 0, device)).sum() + (cols * col_weights).sum()
+
+
 def to_unsigned(value: int) -> int:
     """A checksum as the unsigned 64-bit integer manifests carry."""
     return value & 0xFFFFFFFFFFFFFFFF

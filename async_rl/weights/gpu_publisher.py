@@ -19,9 +19,12 @@ boundary offers a newer one), as the host path coalesces.
 
 **Other hosts** still get every version the host transport can carry: after a commit, when the host publisher
 (:class:`~async_rl.weights.background.BackgroundPublisher`) is idle, the version just committed is handed to it
-from the slot (its device-to-host snapshot runs here, in the background, never in the training loop), so the
-versions on Redis or ``peer://`` follow at the rate that path sustains. Errors travel to the next
-:meth:`offer` / :meth:`flush`, as in the host publisher.
+from the slot, in the background, never in the training loop, so the versions on Redis or ``peer://`` follow at the
+rate that path sustains. Where the slots hold whole versions (one rank) the version is encoded on the GPU
+(:mod:`.gpu_encoder`: a delta from the last one sent where that pays, checksums on the GPU; the slot stays held until
+its buckets are in pinned host memory); with ``publisher.gpu_encode=false``, or several ranks, the host publisher
+snapshots and encodes on the CPU as without the GPU path. Errors travel to the next :meth:`offer` / :meth:`flush`, as
+in the host publisher.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ import torch
 
 from async_rl.control import ControlPlane, WeightsAnnounced
 from async_rl.names import Names
-from async_rl.weights.background import BackgroundPublisher, PublishRecord, Source
+from async_rl.weights.background import BackgroundPublisher, Encode, PublishRecord, Source
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.cuda_ipc import fast_thread_handoffs, host_key
+from async_rl.weights.gpu_encoder import GpuEncoder
 from async_rl.weights.gpu_slots import GpuExport, GpuFill, GpuSlots
 from async_rl.weights.manifest import DTYPES, GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
 from async_rl.weights.publisher import RETIRE_LUA, PublishStats
@@ -63,7 +67,7 @@ class _NoSlots:
 
     num_slots = 0
     device_bytes = 0
-    hands_over = False
+    whole = None
 
 
 class GpuSlotsOutOfMemory(RuntimeError):
@@ -84,6 +88,8 @@ class GpuPublisher:
     cfg: PublisherConfig
     control: ControlPlane | None
     host: BackgroundPublisher | None
+    encoder: GpuEncoder | None
+    """Encodes the host transport's versions on the GPU (None: the host publisher snapshots and encodes them)."""
     slots: GpuExport
     slot_version: list[int]
     """The version each slot holds (-1: none)."""
@@ -110,6 +116,10 @@ class GpuPublisher:
         slots on every rank)."""
         self.redis, self.names, self.cfg, self.control, self.host = redis, names, cfg, control, host
         self.slots = export
+        whole = export.whole
+        self.encoder = None
+        if host is not None and whole is not None and cfg.gpu_encode:
+            self.encoder = GpuEncoder(cfg.bucket_bytes, delta=host.use_delta)
         self.slot_version = [-1] * export.num_slots
         self.published_version = -1
         self.versions_skipped = 0
@@ -141,7 +151,7 @@ class GpuPublisher:
         self._error = None
         await self.clean()
         self.slots = _NoSlots()  # type: ignore[assignment]
-        self.host = None
+        self.host = self.encoder = None
 
     async def latest_version(self) -> int | None:
         raw = await self.redis.get(self.names.weights_gpu_latest)
@@ -183,7 +193,7 @@ class GpuPublisher:
             log.debug("weights v%d skipped: every GPU slot is the newest, being committed or leased", version)
             return False
         host = self.host
-        if host is not None and not self.slots.hands_over and host.inflight_version is None:
+        if host is not None and self.slots.whole is None and host.inflight_version is None:
             # Several ranks: the host transport gets the gathered weights (the path before the GPU one), whenever
             # it is idle; publisher.gpu_host_copies=false leaves it to the flush at the end.
             await host.offer(version, source)
@@ -246,7 +256,7 @@ class GpuPublisher:
     def _feed_host(self, version: int, slot: int) -> None:
         """Hand the committed version to the host publisher when it is idle (module docstring)."""
         host = self.host
-        if host is None or not self.slots.hands_over:
+        if host is None or self.slots.whole is None:
             return
         if host.inflight_version is not None or version <= host.published_version:
             return
@@ -259,8 +269,11 @@ class GpuPublisher:
         self._held[slot] = self._held.get(slot, 0) + 1
         try:
             pieces = self.slots.tensors(slot)
+            encode = self._encode(version, slot)
             if wait:
-                await self.host.flush(version, lambda: pieces)
+                await self.host.flush(version, lambda: pieces, encode=encode)
+            elif encode is not None:
+                await self.host.offer_encoded(version, encode)  # returns once its buckets are in host memory
             else:
                 await self.host.offer(version, lambda: pieces)  # returns once the host snapshot is taken
         except Exception as exc:
@@ -270,6 +283,20 @@ class GpuPublisher:
             self._held[slot] -= 1
             if not self._held[slot]:
                 del self._held[slot]
+
+    def _encode(self, version: int, slot: int) -> Encode | None:
+        """The GPU encoding of the version in ``slot`` for the host publisher (None: it encodes on the CPU)."""
+        encoder, whole = self.encoder, self.slots.whole
+        if encoder is None or whole is None:
+            return None
+
+        def encode(full: bool, base_version: int, link: float | None):  # type: ignore[no-untyped-def]
+            enc = encoder.encode(whole, slot, version, full=full, base_version=base_version, link_bytes_per_s=link)
+            log.debug("weights v%d for the host transport: %s on the GPU in %.3fs (%s)", version, enc.kind,
+                      enc.encode_s, enc.reason)  # fmt: skip
+            return enc
+
+        return encode
 
     async def wait_idle(self) -> None:
         """Wait until every queued version is committed and the host hand-over (if any) took its snapshot (a commit
@@ -292,7 +319,7 @@ class GpuPublisher:
             await self.wait_idle()
             self._raise_error()
         if self.host is not None and self._latest_slot is not None:
-            if self.slots.hands_over:
+            if self.slots.whole is not None:
                 await self._to_host(version, self._latest_slot, wait=True)
             else:
                 await self.host.flush(version, source)

@@ -59,9 +59,9 @@ class DistributedGpuSlots:
         return self.local.device_bytes
 
     @property
-    def hands_over(self) -> bool:
+    def whole(self) -> GpuSlots | None:
         """Rank 0's slots hold only its own pieces: the host publisher cannot be fed from them."""
-        return False
+        return None
 
     def _exchange(self, obj: object) -> list:
         out: list = [None] * self.world

@@ -45,8 +45,9 @@ class GpuExport(Protocol):
     def device_bytes(self) -> int: ...
 
     @property
-    def hands_over(self) -> bool:
-        """Whether :meth:`tensors` is a whole version (the host publisher can be fed from it)."""
+    def whole(self) -> GpuSlots | None:
+        """This process's slots when they hold whole versions (the host publisher is fed from them, encoded on the
+        GPU by :mod:`.gpu_encoder`), else None."""
 
     def fill(self, slot: int, version: int, source: PieceSource) -> GpuFill: ...
 
@@ -176,14 +177,21 @@ class GpuSlots:
                 self._handles[slot] = [export(b) for b in bufs]
         return bufs
 
+    def buffers(self, slot: int) -> list[torch.Tensor]:
+        """The buckets of a filled slot (flat uint8, padded with zeros)."""
+        bufs = self._buffers[slot]
+        if bufs is None:
+            raise ValueError(f"weights: GPU slot {slot} was never filled")
+        return bufs
+
     def handles(self, slot: int) -> list[IpcHandle]:
         """The IPC handles of a filled slot's buckets (CUDA only)."""
         return self._handles[slot]
 
     @property
-    def hands_over(self) -> bool:
-        """The slots hold whole versions: :meth:`tensors` can feed the host publisher."""
-        return True
+    def whole(self) -> GpuSlots | None:
+        """These slots hold whole versions (one rank's slots, all of its pieces)."""
+        return self
 
     def tensors(self, slot: int) -> list[Piece]:
         """The pieces as views of a filled slot (valid until the slot is filled again)."""

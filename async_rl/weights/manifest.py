@@ -6,7 +6,8 @@ slice, a PP stage's layers, an EP rank's experts; the torch backend: one piece p
 stored bytes (its *payload*) sit in a bucket, a contiguous byte buffer of about ``bucket_bytes`` (payloads in the
 given order, each at a 64-byte aligned offset; a payload larger than a bucket gets a bucket of its own). A payload
 is encoded (:mod:`.delta`): ``raw`` (the piece's bytes), ``xor-zstd`` (zstd of the byte-shuffled XOR with the same
-piece of version ``base``) or ``same`` (no bytes: unchanged since ``base``). Every piece carries the checksum of its
+piece of version ``base``), ``sparse`` (the changed elements' new values and indices, encoded on the learner's GPU)
+or ``same`` (no bytes: unchanged since ``base``). Every piece carries the checksum of its
 FULL contents, so a reader that applied a delta checks the result bit for bit. The manifest names every tensor's
 dtype, shape and pieces, and every bucket's size and checksum; a ``full`` version needs nothing else, a ``delta``
 version needs version ``base`` (itself full or a delta back to ``full_version``).
@@ -86,7 +87,7 @@ class BucketEntry:
     """Checksum of the bucket bytes under :attr:`Manifest.checksum`."""
 
 
-ENCODINGS = ("raw", "xor-zstd", "same")
+ENCODINGS = ("raw", "xor-zstd", "same", "sparse")
 """Payload encodings of a piece (see :mod:`async_rl.weights.delta`)."""
 
 

@@ -298,6 +298,24 @@ class WeightPublisher:
             encodings[x.entry.encoding] = encodings.get(x.entry.encoding, 0) + 1
         return RankPart(rank, tensors, buckets, encode_s + sum(pack_times), sum(put_times), encodings)
 
+    async def write_encoded(self, version: int, tensors: Sequence[ManifestTensor], buckets: Sequence[memoryview],
+                            sums: Sequence[int], *, encode_s: float = 0.0) -> RankPart:  # fmt: skip
+        """Write a version encoded elsewhere (:mod:`.gpu_encoder`: its pieces' payloads already in ``buckets``, the
+        buckets' checksums ``sums``, one rank, bucket indices from 0). Nothing is visible until :meth:`commit`."""
+        if not tensors:
+            raise ValueError("weights: nothing to publish (no tensors)")
+        await self._check_version(version)
+        await self.redis.eval(_STAGE_LUA, 1, self.names.weights_staging, str(version), str(len(buckets)))
+        t0 = time.perf_counter()
+        for index, data in enumerate(buckets):
+            await self.transport.put(version, index, data)
+        encodings: dict[str, int] = {}
+        for t in tensors:
+            for p in t.pieces:
+                encodings[p.encoding] = encodings.get(p.encoding, 0) + 1
+        entries = [BucketEntry(i, b.nbytes, s) for i, (b, s) in enumerate(zip(buckets, sums, strict=True))]
+        return RankPart(0, list(tensors), entries, encode_s, time.perf_counter() - t0, encodings)
+
     async def commit(
         self,
         version: int,
@@ -307,10 +325,13 @@ class WeightPublisher:
         full_version: int = -1,
         started_at: float | None = None,
         taken_at: float = 0.0,
+        checksum: str | None = None,
     ) -> Manifest:
         """Rank 0, once every rank's part is written: merge them into the manifest and make ``version`` visible.
         ``base`` (-1: a full version) is the version the parts' deltas apply to; ``full_version`` the full version
-        its chain starts from. ``taken_at``: unix time the snapshot of it began (readers measure snapshot-to-applied)."""
+        its chain starts from. ``taken_at``: unix time the snapshot of it began (readers measure snapshot-to-applied).
+        ``checksum``: the parts' checksum algorithm when they were not written by :meth:`write_rank` (None: this
+        publisher's)."""
         t0 = time.perf_counter() if started_at is None else started_at
         ordered = sorted(parts, key=lambda p: p.rank)
         merged = {t.name: t for t in merge_rank_tensors([p.tensors for p in ordered])}
@@ -318,7 +339,7 @@ class WeightPublisher:
         delta_version = base >= 0
         manifest = Manifest(
             version=version, tensors=list(merged.values()), buckets=buckets, transport=self.transport.name,
-            checksum=self.checksum, kind="delta" if delta_version else "full", base=base,
+            checksum=checksum or self.checksum, kind="delta" if delta_version else "full", base=base,
             full_version=full_version if delta_version else version, num_ranks=len(parts), taken_at=taken_at,
         )  # fmt: skip
         try:

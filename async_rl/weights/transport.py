@@ -79,6 +79,15 @@ class BucketTransport(abc.ABC):
     async def delete(self, version: int, num_buckets: int) -> None:
         """Remove every bucket of ``version`` (missing ones are fine)."""
 
+    puts_cross_link: ClassVar[bool] = True
+    """:meth:`put` moves the bytes over the link readers fetch from (Redis): its rate is the link's. False
+    (``peer://``: a put is a local copy; children fetch later): only :meth:`link_bytes_per_s` says."""
+
+    def link_bytes_per_s(self) -> float | None:
+        """The rate this process's buckets leave at, where the transport measures it apart from :meth:`put`
+        (``peer://``: what its server streams to children); None: not measured here."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 

@@ -138,3 +138,34 @@ async def test_another_namespace_is_refused_the_path_and_reads_the_host_transpor
         assert torch.equal(fetched.tensors[name].view(torch.int16), t.to(torch.bfloat16).cpu().view(torch.int16))
     await pub.aclose()
     await transport.close()
+
+
+async def test_host_versions_are_encoded_on_the_gpu_as_deltas_bit_for_bit(servers, names, redis_client):
+    """Through the GPU publisher: other hosts' versions are encoded from the slots on the GPU, full then sparse deltas
+    (a 1 % change of the bit patterns), and a host reader applies each one bit for bit."""
+    cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=16 << 20, full_every=100, link_gbps=10)
+    transport = make_transport(TransportConfig(), servers.redis_url, names)
+    host = BackgroundPublisher(WeightPublisher(redis_client, transport, names, cfg))
+    pub = GpuPublisher(redis_client, names, cfg, local_slots("cuda:0", cfg), host=host)
+    assert pub.encoder is not None
+    await pub.clean()
+    reader = WeightReader(redis_client, transport, names)
+    w = _weights(21)
+    held = None
+    kinds = []
+    for version in range(1, 5):
+        if version > 1:
+            g = torch.Generator(device="cuda").manual_seed(version)
+            w = {k: torch.where(torch.rand(v.shape, generator=g, device="cuda") < 0.01, v * 1.1, v) for k, v in w.items()}
+        await pub.flush(version, lambda w=w: w.items())
+        held = await reader.fetch(version, held)
+        kinds.append(held.manifest.kind)
+        for name, t in w.items():
+            assert torch.equal(held.tensors[name].view(torch.int16), t.to(torch.bfloat16).cpu().view(torch.int16)), name
+        record = [r for r in host.take_records() if r.version == version][-1]
+        print(f"v{version} {record.kind}: {record.bytes_sent / 1e6:.1f} of {record.full_bytes / 1e6:.1f} MB, "
+              f"encoded in {record.stats.pack_s * 1e3:.1f} ms")
+    assert kinds == ["full", "delta", "delta", "delta"]
+    assert {p.encoding for t in held.manifest.tensors for p in t.pieces} == {"sparse"}
+    await pub.aclose()
+    await transport.close()

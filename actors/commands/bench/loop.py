@@ -16,7 +16,9 @@ learner reports it; else ``non_train_frac``: the share of each step interval not
 ``version_to_applied_s`` (seconds from the learner's snapshot of a version to a generator's swap to it: p50, p95,
 per generator; ``version_to_staged_s`` likewise to its hand-over to the engine, and ``standby_load_s`` and
 ``swap_wait_s`` for the rest: the engine's copy into its standby weights, then the wait for a step boundary),
-``gpu_publish_latency_s`` (snapshot to visible in GPU buffers), ``learner_idle_frac`` (time waiting
+``gpu_publish_latency_s`` (snapshot to visible in GPU buffers), ``publish_latency_s``, ``delta_bytes_ratio`` and
+``host_encode_s`` (the host transport's versions: snapshot to visible, bytes sent / full, encoding and checksums, on
+the GPU or the CPU), ``learner_idle_frac`` (time waiting
 for rollouts), ``generator_idle_frac`` (time not generating, from the
 heartbeats' ``generate_s``), ``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
 ``peak_memory_gib`` (the learner's, GPU), ``tracebacks`` (lines in any process log; a clean run has none); with
@@ -140,7 +142,7 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
         out["publish_block_frac"] = med(block) / interval if interval else None
     for key, name in (("weights/delta_ratio", "delta_bytes_ratio"), ("weights/publish_latency_s", "publish_latency_s"),
                       ("weights/gpu_publish_latency_s", "gpu_publish_latency_s"), ("weights/gpu_wait_s", "gpu_wait_s"),
-                      ("weights/gpu_commit_s", "gpu_commit_s")):
+                      ("weights/gpu_commit_s", "gpu_commit_s"), ("weights/encode_s", "host_encode_s")):
         out[name] = med(col(key)) if col(key) else None
     skipped = col("weights/versions_skipped", events)
     out["versions_skipped"] = int(max(skipped)) if skipped else None

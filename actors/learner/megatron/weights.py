@@ -207,8 +207,8 @@ class MegatronGpuExport:
         return self.slots.device_bytes
 
     @property
-    def hands_over(self) -> bool:
-        return self.slots.hands_over  # one rank's slots hold the whole version
+    def whole(self) -> GpuSlots | None:
+        return self.slots.whole  # one rank's slots hold the whole version
 
     def fill(self, slot: int, version: int, source: PieceSource) -> GpuFill:
         """Every rank copies its own pieces (``source``, the gathered export, is not used)."""

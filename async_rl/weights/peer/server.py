@@ -23,6 +23,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 from async_rl.weights.peer.store import BucketStore
 
@@ -35,6 +36,8 @@ OK, MISSING, BUSY = 0, 1, 2
 MODE_TCP, MODE_FD = 0, 1
 # Kernel socket buffers: large enough to keep a 10 Gbit/s, sub-millisecond link full between sends.
 SOCKET_BUFFER_BYTES = 4 << 20
+RATE_MIN_BYTES = 4 * SOCKET_BUFFER_BYTES
+"""A stream this long or longer measures the link (:attr:`BucketServer.send_rate`)."""
 # Longest request prefix accepted (Names allows 64 characters).
 MAX_PREFIX_BYTES = 256
 
@@ -77,6 +80,9 @@ class BucketServer:
     tcp_address: tuple[str, int]
     unix_name: str
     bytes_sent: int
+    send_rate: float | None
+    """Bytes/s of the newest buckets streamed over TCP (a moving average; None before the first): the link's rate as
+    the publisher sees it, which decides whether a delta pays (:mod:`async_rl.weights.gpu_encoder`)."""
     num_streams: int
     """Children streamed to over TCP right now."""
     _lock: threading.Lock
@@ -94,6 +100,7 @@ class BucketServer:
         self.fanout = fanout
         self.stall_timeout_s = stall_timeout_s
         self.bytes_sent = 0
+        self.send_rate = None
         self.num_streams = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -139,6 +146,7 @@ class BucketServer:
                         return
                     self.num_streams += 1
                     counted = True
+            streamed, stream_start = 0, time.perf_counter()
             for index in range(start, end):
                 got = self.store.wait(version, index, self.stall_timeout_s, self._stop, dup_fd=True)
                 if got is None:
@@ -160,11 +168,15 @@ class BucketServer:
                             conn.sendfile(fh, 0, bucket.nbytes)
                     else:
                         conn.sendall(bucket.view)
+                    streamed += bucket.nbytes
                 finally:
                     if fd >= 0:
                         os.close(fd)
                 with self._lock:
                     self.bytes_sent += bucket.nbytes
+            if streamed >= RATE_MIN_BYTES:  # (the last bytes may still sit in the send buffer: a few MB in many)
+                rate = streamed / max(time.perf_counter() - stream_start, 1e-6)
+                self.send_rate = rate if self.send_rate is None else (rate + self.send_rate) / 2
         except OSError as exc:  # the child went away or spoke nonsense: its problem, not ours
             log.debug("peer stream ended: %r", exc)
         finally:

@@ -133,6 +133,7 @@ class PeerTransport(BucketTransport):
 
     name: ClassVar[str] = "peer"
     durable: ClassVar[bool] = False  # the publisher's buckets live in its process (and in the peers that pulled them)
+    puts_cross_link: ClassVar[bool] = False  # a put is a copy into this process's store; children stream it later
     names: Names
     peer_id: str
     timeout_s: float
@@ -191,6 +192,9 @@ class PeerTransport(BucketTransport):
     @property
     def bytes_sent(self) -> int:
         return self.server.bytes_sent
+
+    def link_bytes_per_s(self) -> float | None:
+        return self.server.send_rate
 
     def _entry(self, *, done: int, have: int, depth: int = 0, lo: int = -1, hi: int = -1) -> RelayEntry:
         return RelayEntry(tcp=self.tcp_address, unix=self.server.unix_name, host=self.host,

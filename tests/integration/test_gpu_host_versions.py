@@ -1,0 +1,113 @@
+"""Versions for other hosts encoded from the GPU slots (async_rl/weights/gpu_encoder.py), through the real host
+publisher, Redis and reader, on the CPU (the slots on the CPU; the GPU publisher's own glue runs in
+tests/gpu/test_gpu_weights.py): every version a reader applies equals the slot's bit for bit, deltas go out as the
+changed elements, full versions when asked, and a reader joining late builds the newest."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+import torch
+
+from async_rl.names import Names
+from async_rl.servers import ServerSet
+from async_rl.weights import WeightPublisher, WeightReader
+from async_rl.weights.background import BackgroundPublisher
+from async_rl.weights.config import PublisherConfig
+from async_rl.weights.gpu_checksum import padded
+from async_rl.weights.gpu_publisher import GpuPublisher
+from async_rl.weights.gpu_slots import GpuSlots
+from async_rl.weights.redis_transport import RedisTransport
+
+
+def _model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(512, 64, generator=g),
+        "layer.w": torch.randn(64, 64, generator=g),
+        "norm": torch.ones(64),
+        "count": torch.tensor([3], dtype=torch.int64),
+    }
+
+
+def _train(model: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """One step that moves about 2 % of the bf16 bit patterns of the float weights, like an RL step at a small lr."""
+    g = torch.Generator().manual_seed(seed)
+    out = dict(model)
+    for k in ("embed", "layer.w"):
+        mask = torch.rand(model[k].shape, generator=g) < 0.02
+        out[k] = torch.where(mask, model[k] * 1.03, model[k])
+    out["count"] = model["count"] + 1
+    return out
+
+
+def _bf16(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )  # fmt: skip
+
+
+async def test_host_versions_from_the_gpu_slots_apply_bit_for_bit(redis_client: aioredis.Redis, servers: ServerSet,
+                                                                  names: Names) -> None:  # fmt: skip
+    cfg = PublisherConfig(bucket_bytes=16 << 10, full_every=3, gpu_dtype="bfloat16")
+    host = BackgroundPublisher(WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names, cfg))
+    slots = GpuSlots("cpu", num_slots=2, bucket_bytes=1 << 16, dtype=torch.bfloat16)
+    encoder = GpuPublisher(redis_client, names, cfg, slots, host=host).encoder  # what the GPU publisher encodes with
+    assert encoder is not None
+    reader = WeightReader(redis_client, RedisTransport(servers.redis_url, names), names)
+    model = _model()
+    held = None
+    kinds = []
+    try:
+        for version in range(6):
+            if version:
+                model = _train(model, version)
+            if version == 4:
+                await redis_client.zadd(names.weights_want_full, {"gen-0": 1})  # a generator asks for a full one
+            slot = version % 2
+            slots.fill(slot, version, list(model.items())).wait()
+
+            def encode(full: bool, base: int, link: float | None, slot: int = slot, version: int = version):  # type: ignore[no-untyped-def]
+                return encoder.encode(slots, slot, version, full=full, base_version=base, link_bytes_per_s=link)
+
+            await host.flush(version, encode=encode)
+            assert host.published_version == version
+            got = await reader.fetch(version, held)
+            m = got.manifest
+            kinds.append(m.kind)
+            assert m.checksum == "wsum64" and _same(got.tensors, _bf16(model)), f"v{version}"
+            if m.kind == "delta":
+                enc = {t.name: t.pieces[0].encoding for t in m.tensors}
+                assert enc == {"embed": "sparse", "layer.w": "sparse", "norm": "same", "count": "raw"}, enc
+                # 6 bytes a changed bf16 element against 2 a whole one: 2 % changed is about 6 % of the bytes
+                assert m.total_bytes <= padded(int(0.1 * m.full_bytes)), (m.total_bytes, m.full_bytes)
+            held = got
+        assert kinds == ["full", "delta", "delta", "full", "full", "delta"], kinds
+        # A reader that joins now builds v5 from the newest full version and the delta after it.
+        late = await WeightReader(redis_client, RedisTransport(servers.redis_url, names), names).fetch(5)
+        assert _same(late.tensors, _bf16(model))
+        assert [r.version for r in host.take_records()] == list(range(6))
+        assert host.link_bytes_per_s is not None  # Redis puts cross the link: measured from them
+    finally:
+        await host.aclose()
+
+
+async def test_the_gpu_encodes_only_whole_versions_and_when_asked(redis_client: aioredis.Redis, servers: ServerSet,
+                                                                   names: Names) -> None:  # fmt: skip
+    from async_rl.weights.gpu_ranks import DistributedGpuSlots
+
+    def gpu(cfg: PublisherConfig, slots, host: bool = True) -> GpuPublisher:  # type: ignore[no-untyped-def]
+        bg = BackgroundPublisher(WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names, cfg))
+        return GpuPublisher(redis_client, names, cfg, slots, host=bg if host else None)
+
+    one = GpuSlots("cpu", num_slots=2)
+    assert gpu(PublisherConfig(), one).encoder is not None
+    assert gpu(PublisherConfig(gpu_encode=False), one).encoder is None  # the host publisher snapshots and encodes
+    assert gpu(PublisherConfig(), one, host=False).encoder is None  # publisher.gpu_host_copies=false
+    assert DistributedGpuSlots.whole.fget(None) is None  # type: ignore[attr-defined]  # several ranks: gathered weights
+    enc = gpu(PublisherConfig(delta=False), one).encoder
+    assert enc is not None and not enc.delta
