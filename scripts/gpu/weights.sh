@@ -2,8 +2,10 @@
 # The weight path on GPUs, reproducible: the GPU weight tests (CUDA IPC between processes, a reader SIGKILLed
 # mid-copy, another namespace refused), then `bench loop` on the 1.65B MoE (moe-1.6b, 3.3 GB in bf16) with the
 # torch learner on GPU 0 and one generator on each GPU, with the GPU path (publisher.gpu=auto) and without it
-# (publisher.gpu=off: the host transport only), one summary JSON each in OUT_DIR.
-#   scripts/gpu/weights.sh OUT_DIR [STEPS] [which: tests,gpu,host,megatron]
+# (publisher.gpu=off: the host transport only), one summary JSON each in OUT_DIR. hostenc: the generators take the host
+# transport (weight_sync.gpu=false) from a learner with the GPU path on, at an RL learning rate (1e-5), its versions
+# encoded on the GPU (publisher.gpu_encode, the default) and then on the CPU (the path before), side by side.
+#   scripts/gpu/weights.sh OUT_DIR [STEPS] [which: tests,gpu,host,megatron,hostenc]
 set -uo pipefail
 out=${1:?usage: weights.sh OUT_DIR [STEPS] [WHICH]}
 steps=${2:-30}
@@ -29,10 +31,15 @@ import json, sys
 s = json.load(open(sys.argv[1]))
 print(sys.argv[1], {k: s.get(k) for k in ("outcome", "steps", "steps_per_s", "train_s", "step_interval_s",
       "publish_block_frac", "version_to_applied_s", "gpu_publish_latency_s", "publish_latency_s",
+      "delta_bytes_ratio", "host_encode_s", "swap_wait_s",
       "learner_idle_frac", "generator_idle_frac", "generator_fetch_s", "tracebacks")})
 PY
 }
 [[ ,$which, == *,gpu,* ]] && loop torch-gpu torch
 [[ ,$which, == *,host,* ]] && loop torch-host torch --learner publisher.gpu=off --generator weight_sync.gpu=false
 [[ ,$which, == *,megatron,* ]] && loop megatron-gpu megatron
+if [[ ,$which, == *,hostenc,* ]]; then
+    loop torch-host-gpuenc torch --lr 1e-5 --generator weight_sync.gpu=false
+    loop torch-host-cpuenc torch --lr 1e-5 --generator weight_sync.gpu=false --learner publisher.gpu_encode=false
+fi
 exit $rc
