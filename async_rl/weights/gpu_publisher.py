@@ -48,6 +48,7 @@ from async_rl.weights.gpu_slots import GpuExport, GpuFill, GpuSlots
 from async_rl.weights.manifest import DTYPES, GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
 from async_rl.weights.publisher import RETIRE_LUA, PublishStats
 from async_rl.weights.signing import run_secret
+from async_rl.weights.snapshot import Piece
 
 log = logging.getLogger(__name__)
 
@@ -270,12 +271,20 @@ class GpuPublisher:
         try:
             pieces = self.slots.tensors(slot)
             encode = self._encode(version, slot)
-            if wait:
-                await self.host.flush(version, lambda: pieces, encode=encode)
-            elif encode is not None:
-                await self.host.offer_encoded(version, encode)  # returns once its buckets are in host memory
-            else:
-                await self.host.offer(version, lambda: pieces)  # returns once the host snapshot is taken
+            try:
+                if encode is None:
+                    await self._to_host_from_cpu(version, pieces, wait)
+                elif wait:
+                    await self.host.flush(version, encode=encode)
+                else:
+                    await self.host.offer_encoded(version, encode)  # returns once its buckets are in host memory
+            except torch.cuda.OutOfMemoryError as exc:
+                if encode is None:
+                    raise
+                log.warning("weights: no GPU memory to encode versions for other hosts (%s); they are snapshot and "
+                            "encoded on the CPU from now on (publisher.gpu_encode=false says so up front)", exc)  # fmt: skip
+                self.encoder = None
+                await self._to_host_from_cpu(version, pieces, wait)
         except Exception as exc:
             log.error("publishing weights v%d through the host transport failed: %r", version, exc)
             self._error = exc
@@ -283,6 +292,13 @@ class GpuPublisher:
             self._held[slot] -= 1
             if not self._held[slot]:
                 del self._held[slot]
+
+    async def _to_host_from_cpu(self, version: int, pieces: list[Piece], wait: bool) -> None:
+        assert self.host is not None
+        if wait:
+            await self.host.flush(version, lambda: pieces)
+        else:
+            await self.host.offer(version, lambda: pieces)  # returns once the host snapshot is taken
 
     def _encode(self, version: int, slot: int) -> Encode | None:
         """The GPU encoding of the version in ``slot`` for the host publisher (None: it encodes on the CPU)."""

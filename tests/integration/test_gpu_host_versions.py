@@ -111,3 +111,25 @@ async def test_the_gpu_encodes_only_whole_versions_and_when_asked(redis_client: 
     assert DistributedGpuSlots.whole.fget(None) is None  # type: ignore[attr-defined]  # several ranks: gathered weights
     enc = gpu(PublisherConfig(delta=False), one).encoder
     assert enc is not None and not enc.delta
+
+
+async def test_an_encoder_without_gpu_memory_hands_over_to_the_cpu_path(redis_client: aioredis.Redis,
+                                                                        servers: ServerSet, names: Names) -> None:  # fmt: skip
+    from async_rl.weights.gpu_encoder import GpuEncoder
+
+    class FullGpu(GpuEncoder):
+        def encode(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB")
+
+    cfg = PublisherConfig(bucket_bytes=16 << 10)
+    host = BackgroundPublisher(WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names, cfg))
+    slots = GpuSlots("cpu", num_slots=2, bucket_bytes=1 << 16)
+    gpu = GpuPublisher(redis_client, names, cfg, slots, host=host)
+    gpu.encoder = FullGpu(cfg.bucket_bytes)
+    model = _model()
+    slots.fill(0, 0, list(model.items())).wait()
+    await gpu._to_host(0, 0, wait=True)  # what a flush hands over from the slot of the newest version
+    assert gpu.encoder is None and gpu._error is None and host.published_version == 0
+    got = await WeightReader(redis_client, RedisTransport(servers.redis_url, names), names).fetch(0)
+    assert got.manifest.checksum == "xxh3_64" and _same(got.tensors, model)
+    await host.aclose()
