@@ -54,9 +54,13 @@ def wsum64(buf: torch.Tensor) -> torch.Tensor:
     if buf.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=buf.device)
     words = buf.view(torch.int32).view(-1, ROW_WORDS)
-    rows = words.sum(dim=1, dtype=torch.int32).to(torch.int64)
-    cols = words.sum(dim=0, dtype=torch.int32).to(torch.int64)
-    device = str(buf.device)
+    return _weighted(words.sum(dim=1, dtype=torch.int32), words.sum(dim=0, dtype=torch.int32))
+
+
+def _weighted(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The checksum from the int32 (wrapped) sums of every row and of every column."""
+    device = str(rows.device)
+    rows, cols = rows.to(torch.int64), cols.to(torch.int64)
     col_weights = _multipliers(ROW_WORDS, _WSUM_COLUMN_SALT, device)
     return (rows * _multipliers(rows.numel(), 0, device)).sum() + (cols * col_weights).sum()
 
@@ -77,11 +81,8 @@ def wsum64_region(buf: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     main = words[:full].view(-1, ROW_WORDS)
     tail = torch.zeros(ROW_WORDS, dtype=torch.int32, device=buf.device)
     tail[: words.numel() - full] = words[full:]
-    rows = torch.cat([main.sum(dim=1, dtype=torch.int32), tail.sum(dim=0, dtype=torch.int32).view(1)]).to(torch.int64)
-    cols = (main.sum(dim=0, dtype=torch.int32) + tail).to(torch.int64)  # int32 addition wraps, as the sums do
-    device = str(buf.device)
-    col_weights = _multipliers(ROW_WORDS, _WSUM_COLUMN_SALT, device)
-    return (rows * _multipliers(rows.numel(), 0, device)).sum() + (cols * col_weights).sum()
+    rows = torch.cat([main.sum(dim=1, dtype=torch.int32), tail.sum(dim=0, dtype=torch.int32).view(1)])
+    return _weighted(rows, main.sum(dim=0, dtype=torch.int32) + tail)  # int32 addition wraps, as the sums do
 
 
 def to_unsigned(value: int) -> int:

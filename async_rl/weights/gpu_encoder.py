@@ -31,12 +31,10 @@ import torch
 from async_rl.weights.delta import SPARSE_INDEX_BYTES, sparse_nbytes
 from async_rl.weights.gpu_checksum import padded, to_unsigned, wsum64, wsum64_region
 from async_rl.weights.gpu_slots import GpuSlots
-from async_rl.weights.manifest import DTYPE_NAMES, GPU_CHECKSUM, ManifestTensor, PieceEntry, plan_sizes
+from async_rl.weights.manifest import DTYPE_NAMES, ManifestTensor, PieceEntry, plan_sizes
 
 log = logging.getLogger(__name__)
 
-CHECKSUM = GPU_CHECKSUM
-"""The checksum of versions encoded here (pieces and buckets)."""
 REBUILD_BYTES_PER_S = 3e9
 """What a reader rebuilds per second of the pieces a delta changed (a copy of its held piece, the changed elements
 written, the result hashed): 1.5-2 GB/s on one thread of the 2-core CPU machine (numpy), pieces rebuilt on two threads
@@ -148,20 +146,25 @@ class GpuEncoder:
             if not faster:
                 encodings, sizes, base = ["raw"] * len(placed), [x.nbytes for x in placed], None
         places, bucket_sizes = plan_sizes(sizes, self.bucket_bytes)
-        sums = self._pack(version, placed, regions, base, changed if base is not None else [], encodings, places, bucket_sizes, cuda)
+        packed = self._pack(version, placed, regions, base, changed if base is not None else [], encodings, places,
+                            bucket_sizes, cuda)  # fmt: skip
+        self._keep_base(bufs)  # queued on the same stream, before the one wait below
+        sums = [to_unsigned(s) for s in packed.cpu().tolist()]  # the buckets in host memory, the base moved
+        if self._base is not None:
+            self.base_version = version
         tensors = [
             ManifestTensor(x.name, DTYPE_NAMES[x.dtype], x.full_shape, [
                 PieceEntry(b, o, n, s, x.dim if x.length >= 0 else 0, x.start if x.length >= 0 else 0, x.length, e)])
             for x, (b, o), n, s, e in zip(placed, places, sizes, piece_sums, encodings, strict=True)
         ]  # fmt: skip
-        self._keep_base(bufs, version, slots.device)
         kind = "delta" if base is not None else "full"
         return EncodedVersion(version, kind, base_version if base is not None else -1, tensors,
                               [self._host[i][: padded(n)].numpy().data for i, n in enumerate(bucket_sizes)], sums,
                               full_bytes, 0.0, changed_frac, reason)  # fmt: skip
 
-    def _pack(self, version, placed, regions, base, changed, encodings, places, bucket_sizes, cuda) -> list[int]:  # type: ignore[no-untyped-def]
-        """Each bucket packed in the GPU buffer, checksummed, copied to its pinned buffer; the bucket checksums."""
+    def _pack(self, version, placed, regions, base, changed, encodings, places, bucket_sizes, cuda) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """Each bucket packed in the GPU buffer, checksummed, copied to its pinned buffer (queued, nothing waits); the
+        bucket checksums (int64, on the GPU)."""
         device = regions[0].device if regions else torch.device("cpu")
         largest = padded(max(bucket_sizes, default=0))
         if self._staging is None or self._staging.numel() < largest:
@@ -194,12 +197,10 @@ class GpuEncoder:
                 out[at : at + k * SPARSE_INDEX_BYTES].view(torch.int32).copy_(index)
             sums.append(wsum64(out))
             self._host[i][: padded(n)].copy_(out, non_blocking=cuda)  # the next bucket's packing waits for it (one stream)
-        if not sums:
-            return []
-        return [to_unsigned(s) for s in torch.stack(sums).cpu().tolist()]  # waits for the copies to host too
+        return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64, device=device)
 
-    def _keep_base(self, bufs: list[torch.Tensor], version: int, device: torch.device) -> None:
-        """The version just encoded becomes the base of the next delta (a GPU copy, in the slots' layout)."""
+    def _keep_base(self, bufs: list[torch.Tensor]) -> None:
+        """The version being encoded becomes the base of the next delta (a GPU copy, in the slots' layout, queued)."""
         if not self.delta:
             return
         if self._base is None or [b.numel() for b in self._base] != [b.numel() for b in bufs]:
@@ -213,9 +214,6 @@ class GpuEncoder:
                 return
         for dst, src in zip(self._base, bufs, strict=True):
             dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        self.base_version = version
 
 
 def _delta_faster(delta_bytes: int, rebuilt_bytes: int, full_bytes: int, link: float | None) -> tuple[bool, str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -121,6 +122,11 @@ class _Payload:
     piece: Piece
     entry: PieceEntry
     data: memoryview
+
+
+def _encodings(tensors: Sequence[ManifestTensor]) -> dict[str, int]:
+    """Pieces per encoding."""
+    return dict(Counter(p.encoding for t in tensors for p in t.pieces))
 
 
 class WeightPublisher:
@@ -290,13 +296,11 @@ class WeightPublisher:
             if index + 1 < len(sizes):
                 packed = next_pack.result()
         tensors = []
-        encodings: dict[str, int] = {}
         for x in payloads:
             t = x.piece.tensor
             full = tuple(t.shape) if x.piece.whole else tuple(x.piece.full_shape or ())
             tensors.append(ManifestTensor(x.piece.name, DTYPE_NAMES[t.dtype], full, [x.entry]))
-            encodings[x.entry.encoding] = encodings.get(x.entry.encoding, 0) + 1
-        return RankPart(rank, tensors, buckets, encode_s + sum(pack_times), sum(put_times), encodings)
+        return RankPart(rank, tensors, buckets, encode_s + sum(pack_times), sum(put_times), _encodings(tensors))
 
     async def write_encoded(self, version: int, tensors: Sequence[ManifestTensor], buckets: Sequence[memoryview],
                             sums: Sequence[int], *, encode_s: float = 0.0) -> RankPart:  # fmt: skip
@@ -309,12 +313,8 @@ class WeightPublisher:
         t0 = time.perf_counter()
         for index, data in enumerate(buckets):
             await self.transport.put(version, index, data)
-        encodings: dict[str, int] = {}
-        for t in tensors:
-            for p in t.pieces:
-                encodings[p.encoding] = encodings.get(p.encoding, 0) + 1
         entries = [BucketEntry(i, b.nbytes, s) for i, (b, s) in enumerate(zip(buckets, sums, strict=True))]
-        return RankPart(0, list(tensors), entries, encode_s, time.perf_counter() - t0, encodings)
+        return RankPart(0, list(tensors), entries, encode_s, time.perf_counter() - t0, _encodings(tensors))
 
     async def commit(
         self,
