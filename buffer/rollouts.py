@@ -1,12 +1,9 @@
-"""The rollout buffer: generators append encoded group records; the learner reads them through a group.
+"""The rollout buffer: generators append encoded group records (:mod:`buffer.rollout_writer`); the learner reads
+them through a group (here).
 
 * **Back-pressure, never trimming.** Consumed entries are acked *and deleted*, so ``XLEN`` of the
-  stream is the unconsumed backlog. :meth:`RolloutWriter.append` waits while the backlog is at
-  ``max_backlog`` or above (one warning line when it starts waiting, one when it resumes), woken by
-  the reader's acks through ``Names.rollout_acks_stream`` (a blocking ``XREAD``, no polling), and
-  raises :class:`BackpressureTimeout` after ``backpressure_timeout_s``. Each append reads the backlog
-  back in its own transaction; while that stays below ``max_backlog - 1`` the next append skips the
-  check (a round trip saved per group), so W writers at once can overshoot the bound by W - 1.
+  stream is the unconsumed backlog, the bound :class:`~buffer.rollout_writer.RolloutWriter` waits on; every ack
+  wakes waiting writers through ``Names.rollout_acks_stream``.
 * **Ack after commit.** The learner calls :meth:`RolloutReader.ack` only once the optimizer step
   that used the entries is committed; until then they stay pending on its consumer. A restarted
   learner with the same consumer name gets its own pending entries first; entries idle on another
@@ -29,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,11 +34,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from async_rl.names import Names
-from async_rl.wire import WireError, decode_group, encode_group_into
+from async_rl.wire import WireError, decode_group
 from async_rl.wire_types import GroupRecord
 from buffer.audit import Audit
 from buffer.dead_letters import DeadLetters, DeadLettersConfig, error_line
 from buffer.entry_checks import EntryChecker, EntryError
+from buffer.rollout_writer import ACKS_MAXLEN, GROUP_ID_FIELD, PAYLOAD_KEY_FIELD, RECORD_FIELD
 from buffer.streams import (
     RawEntry,
     Reclaimer,
@@ -57,16 +53,6 @@ from buffer.streams import (
 
 log = logging.getLogger(__name__)
 
-_RECORD = b"rec"
-_PAYLOAD_KEY = b"ref"
-_GENERATOR = b"gen"
-_GROUP_ID = b"gid"
-# Acks are wake-up signals only; a short tail is enough for every waiting writer to see a new one.
-_ACKS_MAXLEN = 1000
-# Encode buffers a writer keeps warm: one per append in flight at once is plenty.
-_MAX_BUFFERS = 2
-# A waiting writer re-checks the backlog at least this often (and logs progress), acks or not.
-_WAIT_SLICE_S = 5.0
 # KEYS: stream, rollout counters, acks stream, errors hash, payload keys...; ARGV: group, counter, acks maxlen, ids...
 # Counts only entries this call acked, so finishing the same entries twice (a re-commit after a restart) counts once.
 _ACK_LUA = """
@@ -81,42 +67,6 @@ if acked > 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], acked) end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'n', #ARGV - 3)
 return acked
 """
-
-
-class BackpressureTimeout(TimeoutError):
-    """The rollout backlog stayed above ``max_backlog`` for ``backpressure_timeout_s``."""
-
-
-class BacklogBelowLearnerHold(ValueError):
-    """``max_backlog`` is below what the learner holds unacked between checkpoints: waiting could never end."""
-
-
-LEARNER_HOLD_FIELD = "unacked_groups_max"
-"""Field of ``Names.learner_state``: the most groups the learner keeps read but unacked (``checkpoint.every``
-x ``batch_groups``: entries are acked when the checkpoint covering them is written, and count in the backlog)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class RolloutWriterConfig:
-    """Generator side of the rollout stream."""
-
-    max_backlog: int = 512
-    """Append waits while this many groups are in the stream unconsumed (the learner's admission
-    control normally keeps far fewer in flight; this is the safety net)."""
-    backpressure_timeout_s: float = 600.0
-    """How long append waits for the backlog to drop before raising BackpressureTimeout."""
-    inline_max_bytes: int = 256 * 1024
-    """Records up to this size travel inside the stream entry; larger ones under their own key (SET), the
-    entry pointing to it: XADD copies a value into the stream (6.7 ms of server time for 7 MB here,
-    against 20 us for SET, which keeps the received buffer)."""
-
-    def __post_init__(self) -> None:
-        if self.max_backlog < 1:
-            raise ValueError("buffer.rollouts.max_backlog must be >= 1")
-        if self.backpressure_timeout_s <= 0:
-            raise ValueError("buffer.rollouts.backpressure_timeout_s must be > 0")
-        if self.inline_max_bytes < 0:
-            raise ValueError("buffer.rollouts.inline_max_bytes must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -155,102 +105,6 @@ class RolloutEntry:
     payload_bytes: int = 0
     """Encoded size of the entry."""
 
-
-class RolloutWriter:
-    """Appends group records to the rollout stream of one run, with back-pressure."""
-
-    redis: aioredis.Redis
-    names: Names
-    cfg: RolloutWriterConfig
-
-    _buffers: list[bytearray]
-    _backlog: int | None
-
-    def __init__(self, redis: aioredis.Redis, names: Names, cfg: RolloutWriterConfig | None = None) -> None:
-        self.redis = check_client(redis, "RolloutWriter")
-        self.names = names
-        self.cfg = cfg or RolloutWriterConfig()
-        self._buffers = []  # warm encode buffers, reused between appends (see wire.encode_group_into)
-        self._backlog = None  # backlog seen by this writer's last append (None: not known yet)
-
-    async def backlog(self) -> int:
-        """Groups in the stream not yet consumed (read or not)."""
-        return int(await self.redis.xlen(self.names.rollouts_stream))
-
-    async def append(self, rec: GroupRecord) -> str:
-        """Encode (validating: raises WireError), wait for room, append; returns the entry id."""
-        buf = self._buffers.pop() if self._buffers else bytearray()
-        try:
-            view = encode_group_into(rec, buf)
-        except BufferError:  # a transport still holds a view of it: take a fresh one
-            buf = bytearray()
-            view = encode_group_into(rec, buf)
-        entry_id = await self.append_encoded(view, generator_id=rec.generator_id, group_id=rec.group_id)
-        if len(self._buffers) < _MAX_BUFFERS:
-            self._buffers.append(buf)
-        return entry_id
-
-    async def append_encoded(self, data: bytes | memoryview, *, generator_id: str, group_id: str) -> str:
-        """Append an already encoded record (benchmarks, relays)."""
-        if self._backlog is None or self._backlog >= self.cfg.max_backlog - 1:
-            await self.wait_for_room()
-        fields: dict[Any, Any] = {_GENERATOR: generator_id, _GROUP_ID: group_id}
-        async with self.redis.pipeline(transaction=True) as pipe:
-            if len(data) <= self.cfg.inline_max_bytes:
-                fields[_RECORD] = data
-            else:
-                key = self.names.rollout_payload(uuid.uuid4().hex)
-                pipe.set(key, data)
-                fields[_PAYLOAD_KEY] = key
-            pipe.xadd(self.names.rollouts_stream, fields)
-            pipe.hincrby(self.names.rollout_counters, "appended", 1)
-            pipe.xlen(self.names.rollouts_stream)
-            res = await pipe.execute()
-        self._backlog = int(res[-1])
-        return sid(res[-3])
-
-    async def wait_for_room(self) -> None:
-        """Return once the backlog is below ``max_backlog``; raise BackpressureTimeout after the timeout."""
-        if await self.backlog() < self.cfg.max_backlog:
-            return
-        acks = self.names.rollout_acks_stream
-        # Take the acks cursor *before* looking at the backlog again: an ack landing in between still wakes us.
-        last: Any = await self.redis.xrevrange(acks, count=1)
-        cursor = sid(last[0][0]) if last else "0-0"
-        backlog = await self.backlog()
-        if backlog < self.cfg.max_backlog:
-            return
-        held = await self.redis.hget(self.names.learner_state, LEARNER_HOLD_FIELD)
-        if held is not None and int(held) > self.cfg.max_backlog:
-            raise BacklogBelowLearnerHold(
-                f"rollouts.max_backlog={self.cfg.max_backlog} is below the {int(held)} groups the learner holds "
-                f"unacked between checkpoints (learner checkpoint.every x batch_groups): the learner would wait "
-                f"for groups this generator may not append. Raise rollouts.max_backlog above {int(held)} or lower "
-                f"the learner's checkpoint.every"
-            )
-        started = time.monotonic()
-        deadline = started + self.cfg.backpressure_timeout_s
-        log.warning(
-            "rollout backlog %d >= max_backlog %d: waiting up to %.0f s for the learner to consume",
-            backlog,
-            self.cfg.max_backlog,
-            self.cfg.backpressure_timeout_s,
-        )
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BackpressureTimeout(
-                    f"rollout backlog stayed >= max_backlog {self.cfg.max_backlog} for "
-                    f"{self.cfg.backpressure_timeout_s:.0f} s (is the learner running?)"
-                )
-            block_ms = max(1, int(min(remaining, _WAIT_SLICE_S) * 1000))
-            resp: Any = await self.redis.xread({acks: cursor}, count=_ACKS_MAXLEN, block=block_ms)
-            if resp:
-                cursor = sid(resp[0][1][-1][0])
-            backlog = await self.backlog()
-            if backlog < self.cfg.max_backlog:
-                log.warning("rollout backlog %d: resuming after %.1f s", backlog, time.monotonic() - started)
-                return
 
 
 class RolloutReader:
@@ -404,8 +258,8 @@ class RolloutReader:
             last = err.decode(errors="replace") if err else ""
             reason = f"delivered {counts[eid]} times without a committed step (max_deliveries {limit}); " + (
                 f"last error: {last}" if last else "the learner died while holding it, no error recorded")
-            data = fields.get(_RECORD)
-            key = field_str(fields, _PAYLOAD_KEY)
+            data = fields.get(RECORD_FIELD)
+            key = field_str(fields, PAYLOAD_KEY_FIELD)
             if key is not None and self.names.is_rollout_payload(key):
                 self._payload_keys[eid] = key
             await self._dead_letter(eid, fields, data, reason, last)
@@ -418,12 +272,12 @@ class RolloutReader:
         remembered for deletion only then. Its size is read before its value.
         """
         limit = self.cfg.max_entry_bytes
-        data = fields.get(_RECORD)
+        data = fields.get(RECORD_FIELD)
         if data is not None:
             if len(data) > limit:
                 raise WireError(f"record of {len(data)} bytes exceeds buffer.rollouts.max_entry_bytes ({limit})")
             return data
-        key = field_str(fields, _PAYLOAD_KEY)
+        key = field_str(fields, PAYLOAD_KEY_FIELD)
         if key is None:
             raise WireError("rollout entry has no 'rec' field")
         if not self.names.is_rollout_payload(key):
@@ -455,13 +309,13 @@ class RolloutReader:
             group=self.names.rollouts_group,
             source_id=eid,
             fields=fields,
-            payload_field=_RECORD,
+            payload_field=RECORD_FIELD,
             reason=reason,
             counters_key=self.names.rollout_counters,
             payload=data,
             delete_keys=(key,) if key is not None else (),
             error=error,
-            prompt_id=prompt_id or field_str(fields, _GROUP_ID),
+            prompt_id=prompt_id or field_str(fields, GROUP_ID_FIELD),
         )
         await self.redis.hdel(self.names.rollout_errors, eid)
         self._in_flight.pop(eid, None)
@@ -528,12 +382,12 @@ class RolloutReader:
                 for i in unknown:
                     pipe.xrange(stream, i, i, count=1)
                 found: Any = await pipe.execute()
-            refs = [sid(rows[0][1][_PAYLOAD_KEY]) for rows in found if rows and _PAYLOAD_KEY in rows[0][1]]
+            refs = [sid(rows[0][1][PAYLOAD_KEY_FIELD]) for rows in found if rows and PAYLOAD_KEY_FIELD in rows[0][1]]
             keys += [k for k in refs if self.names.is_rollout_payload(k)]
         n = self.names
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.eval(_ACK_LUA, 4 + len(keys), stream, n.rollout_counters, n.rollout_acks_stream, n.rollout_errors,
-                      *keys, n.rollouts_group, counter, _ACKS_MAXLEN, *ids)  # fmt: skip
+                      *keys, n.rollouts_group, counter, ACKS_MAXLEN, *ids)  # fmt: skip
             if fate is not None:
                 self.audit.finish_into(pipe, fate, fates)
             # The commit of a step's acks must not be cut in half by a cancellation.

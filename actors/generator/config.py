@@ -18,7 +18,7 @@ from async_rl.tasks.config import TaskConfig
 from async_rl.weights.config import ReaderConfig
 from async_rl.weights.transport import TransportConfig
 from buffer.prompts import PromptQueueConfig
-from buffer.rollouts import RolloutWriterConfig
+from buffer.rollout_writer import RolloutWriterConfig
 
 
 @dataclass(kw_only=True, slots=True)

@@ -46,7 +46,7 @@ from async_rl.weights.transport import make_transport
 from async_rl.wire_types import GroupRecord, Sample
 from buffer.evals import GREEDY_KEY, ROUND_KEY, EvalQueue, EvalResult
 from buffer.prompts import PromptEntry, PromptQueue
-from buffer.rollouts import RolloutWriter
+from buffer.rollout_writer import RolloutWriter
 
 log = logging.getLogger(__name__)
 

@@ -65,7 +65,8 @@ from buffer.dead_letters import error_line
 from buffer.entry_checks import EntryChecker, ModelFacts
 from buffer.evals import EvalQueue
 from buffer.prompts import PromptQueue
-from buffer.rollouts import LEARNER_HOLD_FIELD, RolloutEntry, RolloutReader
+from buffer.rollout_writer import LEARNER_HOLD_FIELD
+from buffer.rollouts import RolloutEntry, RolloutReader
 from buffer.staleness import StalenessPolicy
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from buffer.audit import audit_run
 from buffer.entry_checks import EntryChecker, ModelFacts
 from buffer.evals import EvalQueue, EvalResult
 from buffer.prompts import PromptQueue, PromptQueueConfig
-from buffer.rollouts import RolloutReader, RolloutWriter, RolloutWriterConfig
+from buffer.rollout_writer import RolloutWriter, RolloutWriterConfig
+from buffer.rollouts import RolloutReader
 from buffer.stats import buffer_stats
 from tests.integration.poison import valid_record
 

@@ -15,7 +15,8 @@ from async_rl.wire import PromptSpec
 from buffer.audit import Audit, AuditConfig
 from buffer.entry_checks import ModelFacts
 from buffer.prompts import PromptQueue
-from buffer.rollouts import RolloutReader, RolloutWriter
+from buffer.rollout_writer import RolloutWriter
+from buffer.rollouts import RolloutReader
 from buffer.stats import buffer_stats
 from tests.integration.poison import valid_record
 

@@ -11,7 +11,8 @@ from buffer.audit import audit_run
 from buffer.dead_letters import DeadLetters
 from buffer.entry_checks import EntryChecker, ModelFacts
 from buffer.prompts import PromptQueue
-from buffer.rollouts import RolloutReader, RolloutReaderConfig, RolloutWriter, RolloutWriterConfig
+from buffer.rollout_writer import RolloutWriter, RolloutWriterConfig
+from buffer.rollouts import RolloutReader, RolloutReaderConfig
 from tests.integration.poison import fields_of, poison_entries, push, valid_record
 
 FACTS = ModelFacts(vocab_size=22, max_seq_len=64, num_moe_layers=2, top_k=2, num_experts=4)

@@ -9,7 +9,8 @@ from actors.commands.bench.buffer import make_group
 from async_rl.configurable import ConfigError, from_dict
 from async_rl.wire import PromptSpec
 from buffer.prompts import PromptQueue
-from buffer.rollouts import RolloutReader, RolloutWriter
+from buffer.rollout_writer import RolloutWriter
+from buffer.rollouts import RolloutReader
 from buffer.staleness import StalenessConfig, StalenessPolicy, token_staleness
 from buffer.stats import buffer_stats
 

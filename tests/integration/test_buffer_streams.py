@@ -14,15 +14,14 @@ from actors.commands.bench.buffer import make_group
 from async_rl.wire import PromptSpec, decode_group, encode_group
 from buffer.dead_letters import DeadLetters
 from buffer.prompts import PromptQueue, PromptQueueConfig
-from buffer.rollouts import (
+from buffer.rollout_writer import (
     LEARNER_HOLD_FIELD,
     BacklogBelowLearnerHold,
     BackpressureTimeout,
-    RolloutReader,
-    RolloutReaderConfig,
     RolloutWriter,
     RolloutWriterConfig,
 )
+from buffer.rollouts import RolloutReader, RolloutReaderConfig
 from buffer.stats import buffer_stats
 
 

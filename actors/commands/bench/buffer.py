@@ -167,7 +167,8 @@ class _OursLane:
     """Our path: RolloutWriter.append (encode, SET + XADD), RolloutReader.read (XREADGROUP, GET, decode), ack."""
 
     def __init__(self, redis: Any, names: Names, recs: list[GroupRecord], batch: int) -> None:
-        from buffer.rollouts import RolloutReader, RolloutWriter, RolloutWriterConfig
+        from buffer.rollout_writer import RolloutWriter, RolloutWriterConfig
+        from buffer.rollouts import RolloutReader
 
         self.redis, self.names, self.recs = redis, names, recs
         self.writer = RolloutWriter(redis, names, RolloutWriterConfig(max_backlog=max(batch, 1) * 4))
