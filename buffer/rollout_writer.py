@@ -76,8 +76,6 @@ class RolloutWriterConfig:
             raise ValueError("buffer.rollouts.inline_max_bytes must be >= 0")
 
 
-
-
 class RolloutWriter:
     """Appends group records to the rollout stream of one run, with back-pressure."""
 
@@ -173,4 +171,3 @@ class RolloutWriter:
             if backlog < self.cfg.max_backlog:
                 log.warning("rollout backlog %d: resuming after %.1f s", backlog, time.monotonic() - started)
                 return
-
