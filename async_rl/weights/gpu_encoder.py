@@ -30,7 +30,7 @@ import torch
 
 from async_rl.weights.delta import SPARSE_INDEX_BYTES, sparse_nbytes
 from async_rl.weights.gpu_checksum import padded, to_unsigned, wsum64, wsum64_region
-from async_rl.weights.gpu_slots import GpuSlots
+from async_rl.weights.gpu_slots import WholeVersion
 from async_rl.weights.manifest import DTYPE_NAMES, ManifestTensor, PieceEntry, plan_sizes
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ def _ints(t: torch.Tensor, itemsize: int) -> torch.Tensor:
 
 
 class GpuEncoder:
-    """Encodes versions held in :class:`GpuSlots` for the host transport (module docstring)."""
+    """Encodes whole versions held on the GPU (:class:`~async_rl.weights.gpu_slots.WholeVersion`) for the host
+    transport (module docstring)."""
 
     bucket_bytes: int
     delta: bool
@@ -99,7 +100,7 @@ class GpuEncoder:
         base = sum(b.numel() for b in self._base) if self._base is not None else 0
         return base + (self._staging.numel() if self._staging is not None else 0)
 
-    def encode(self, slots: GpuSlots, slot: int, version: int, *, full: bool, base_version: int,
+    def encode(self, slots: WholeVersion, slot: int, version: int, *, full: bool, base_version: int,
                link_bytes_per_s: float | None) -> EncodedVersion:  # fmt: skip
         """Encode the version ``slot`` holds: full when ``full`` (or no base holds ``base_version``), else a delta from
         ``base_version`` when that is faster at ``link_bytes_per_s`` (None: not measured yet, fewer bytes wins).
@@ -113,7 +114,7 @@ class GpuEncoder:
         enc.encode_s = time.perf_counter() - t0
         return enc
 
-    def _encode(self, slots: GpuSlots, slot: int, version: int, full: bool, base_version: int,
+    def _encode(self, slots: WholeVersion, slot: int, version: int, full: bool, base_version: int,
                 link: float | None, cuda: bool) -> EncodedVersion:  # fmt: skip
         placed, bufs = slots.placed, slots.buffers(slot)
         regions = [bufs[x.bucket][x.offset : x.offset + x.nbytes] for x in placed]

@@ -20,11 +20,13 @@ boundary offers a newer one), as the host path coalesces.
 **Other hosts** still get every version the host transport can carry: after a commit, when the host publisher
 (:class:`~async_rl.weights.background.BackgroundPublisher`) is idle, the version just committed is handed to it
 from the slot, in the background, never in the training loop, so the versions on Redis or ``peer://`` follow at the
-rate that path sustains. Where the slots hold whole versions (one rank) the version is encoded on the GPU
+rate that path sustains. The version is read from the slot's whole version on this GPU (``export.whole``: one rank's
+slots, or every rank's mirrored on rank 0, :class:`~async_rl.weights.gpu_ranks.RankMirror`) and encoded there
 (:mod:`.gpu_encoder`: a delta from the last one sent where that pays, checksums on the GPU; the slot stays held until
-its buckets are in pinned host memory); with ``publisher.gpu_encode=false``, or several ranks, the host publisher
-snapshots and encodes on the CPU as without the GPU path. Errors travel to the next :meth:`offer` / :meth:`flush`, as
-in the host publisher.
+its buckets are in pinned host memory); with ``publisher.gpu_encode=false`` the host publisher snapshots it and encodes
+on the CPU. Ranks rank 0 cannot map (other hosts): the host transport gets the gathered weights at a step boundary
+whenever it is idle, as before the GPU path. Errors travel to the next :meth:`offer` / :meth:`flush`, as in the host
+publisher.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ from async_rl.weights.gpu_slots import GpuExport, GpuFill, GpuSlots
 from async_rl.weights.manifest import DTYPES, GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
 from async_rl.weights.publisher import RETIRE_LUA, PublishStats
 from async_rl.weights.signing import run_secret
-from async_rl.weights.snapshot import Piece
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,8 @@ class GpuPublisher:
         slots on every rank)."""
         self.redis, self.names, self.cfg, self.control, self.host = redis, names, cfg, control, host
         self.slots = export
-        whole = export.whole
         self.encoder = None
-        if host is not None and whole is not None and cfg.gpu_encode:
+        if host is not None and cfg.gpu_encode:  # used where the export holds whole versions on this GPU
             self.encoder = GpuEncoder(cfg.bucket_bytes, delta=host.use_delta)
         self.slot_version = [-1] * export.num_slots
         self.published_version = -1
@@ -193,11 +193,6 @@ class GpuPublisher:
             self.versions_skipped += 1
             log.debug("weights v%d skipped: every GPU slot is the newest, being committed or leased", version)
             return False
-        host = self.host
-        if host is not None and self.slots.whole is None and host.inflight_version is None:
-            # Several ranks: the host transport gets the gathered weights (the path before the GPU one), whenever
-            # it is idle; publisher.gpu_host_copies=false leaves it to the flush at the end.
-            await host.offer(version, source)
         try:
             fill = await asyncio.to_thread(self.slots.fill, slot, version, source)
         except torch.cuda.OutOfMemoryError as exc:
@@ -205,6 +200,11 @@ class GpuPublisher:
                 f"weights: no GPU memory for GPU slot {slot} ({self.slots.device_bytes / 1e9:.1f} GB held by the "
                 f"others): publisher.gpu_slots={self.slots.num_slots} copies of the weights do not fit beside "
                 f"training; set publisher.gpu=off (or publisher.gpu_dtype=bfloat16 for an fp32 learner)") from exc
+        host = self.host
+        if host is not None and self.slots.whole is None and host.inflight_version is None:
+            # Ranks rank 0 cannot map: the host transport gets the gathered weights (the path before the GPU one),
+            # whenever it is idle; publisher.gpu_host_copies=false leaves it to the flush at the end.
+            await host.offer(version, source)
         self._queued[slot] = version
         self._queue.put_nowait(fill)
         if self._task is None or self._task.done():
@@ -269,11 +269,10 @@ class GpuPublisher:
         assert self.host is not None
         self._held[slot] = self._held.get(slot, 0) + 1
         try:
-            pieces = self.slots.tensors(slot)
             encode = self._encode(version, slot)
             try:
                 if encode is None:
-                    await self._to_host_from_cpu(version, pieces, wait)
+                    await self._to_host_from_cpu(version, slot, wait)
                 elif wait:
                     await self.host.flush(version, encode=encode)
                 else:
@@ -284,7 +283,7 @@ class GpuPublisher:
                 log.warning("weights: no GPU memory to encode versions for other hosts (%s); they are snapshot and "
                             "encoded on the CPU from now on (publisher.gpu_encode=false says so up front)", exc)  # fmt: skip
                 self.encoder = None
-                await self._to_host_from_cpu(version, pieces, wait)
+                await self._to_host_from_cpu(version, slot, wait)
         except Exception as exc:
             log.error("publishing weights v%d through the host transport failed: %r", version, exc)
             self._error = exc
@@ -293,8 +292,9 @@ class GpuPublisher:
             if not self._held[slot]:
                 del self._held[slot]
 
-    async def _to_host_from_cpu(self, version: int, pieces: list[Piece], wait: bool) -> None:
-        assert self.host is not None
+    async def _to_host_from_cpu(self, version: int, slot: int, wait: bool) -> None:
+        assert self.host is not None and self.slots.whole is not None
+        pieces = await asyncio.to_thread(self.slots.whole.tensors, slot)
         if wait:
             await self.host.flush(version, lambda: pieces)
         else:

@@ -13,18 +13,85 @@ its own pieces (its tensor-parallel slices, pipeline stage, expert-parallel expe
 
 Rank 0 then has everything a manifest needs (:meth:`manifest_parts`, :meth:`handles`): bucket ``i`` of rank
 ``r`` is global bucket ``sum(counts[:r]) + i``, and a reader on the host maps each rank's buffers itself.
+
+**Other hosts** get the versions through the host transport, fed on rank 0 without a collective: when every rank is
+on rank 0's host and its GPU is visible there, :attr:`DistributedGpuSlots.whole` is a :class:`RankMirror`, every
+rank's slot as one whole version on rank 0's GPU (its own buckets as they are, the others' copied GPU to GPU over CUDA
+IPC, as any same-host reader does), which :mod:`.gpu_encoder` encodes as it does one rank's slots. The ranks train on
+meanwhile: the slot stays held until the copies are done. Ranks on other hosts: None, and the host transport gets
+the gathered weights (:mod:`.gpu_publisher`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
+from collections.abc import Callable
 
 import torch
 
-from async_rl.weights.cuda_ipc import IpcHandle
-from async_rl.weights.gpu_slots import GpuFill, GpuSlots
-from async_rl.weights.manifest import BucketEntry, ManifestTensor, PieceEntry, merge_rank_tensors
+from async_rl.weights.cuda_ipc import IpcHandle, IpcMapper, device_uuid, host_key, local_device
+from async_rl.weights.gpu_checksum import padded
+from async_rl.weights.gpu_slots import GpuFill, GpuSlots, Placed
+from async_rl.weights.manifest import BucketEntry, ManifestTensor, merge_rank_tensors
 from async_rl.weights.snapshot import Piece
+
+log = logging.getLogger(__name__)
+
+
+class RankMirror:
+    """Every rank's slot of a version as one whole version on rank 0's GPU (module docstring): rank 0's buckets as
+    they are, the other ranks' copied into one set of buckets reused from version to version."""
+
+    local: GpuSlots
+    placed: list[Placed]
+    """Every rank's pieces, bucket indices global (rank ``r``'s from ``sum(counts[:r])``)."""
+    _sizes: list[list[int]]
+    _remote: Callable[[int, int], list[torch.Tensor]]
+    _copies: list[torch.Tensor] | None
+
+    def __init__(self, local: GpuSlots, placed: list[list[Placed]], sizes: list[list[int]],
+                 remote: Callable[[int, int], list[torch.Tensor]]) -> None:  # fmt: skip
+        """``placed``/``sizes``: every rank's pieces and bucket sizes (rank 0's are ``local``'s); ``remote(slot, r)``:
+        rank ``r``'s buckets of ``slot`` as this process sees them (mapped over CUDA IPC)."""
+        self.local, self._sizes, self._remote = local, sizes, remote
+        self.placed = []
+        first = 0
+        for rank_placed, rank_sizes in zip(placed, sizes, strict=True):
+            self.placed += [dataclasses.replace(x, bucket=x.bucket + first) for x in rank_placed]
+            first += len(rank_sizes)
+        self._copies = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def device_bytes(self) -> int:
+        """GPU bytes held by the copies of the other ranks' buckets."""
+        return sum(b.numel() for b in self._copies or [])
+
+    def buffers(self, slot: int) -> list[torch.Tensor]:
+        """Every rank's buckets of ``slot`` on this GPU: the other ranks' copies are queued on the current stream."""
+        if self._copies is None:
+            self._copies = [torch.empty(padded(n), dtype=torch.uint8, device=self.device)
+                            for rank_sizes in self._sizes[1:] for n in rank_sizes]  # fmt: skip
+        out = list(self.local.buffers(slot))
+        copies = iter(self._copies)
+        for r in range(1, len(self._sizes)):
+            for src in self._remote(slot, r):
+                dst = next(copies)
+                dst.copy_(src, non_blocking=True)
+                out.append(dst)
+        return out
+
+    def tensors(self, slot: int) -> list[Piece]:
+        """Every rank's pieces of ``slot`` as views of this GPU's buckets (the copies done)."""
+        bufs = self.buffers(slot)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return [x.piece(bufs) for x in self.placed]
 
 
 class DistributedGpuSlots:
@@ -36,9 +103,15 @@ class DistributedGpuSlots:
     group: object
     counts: list[int]
     """Buckets of each rank (after the first fill)."""
-    _parts: list[list[ManifestTensor]]
+    _placed: list[list[Placed]]
     _sizes: list[list[int]]
+    _places: list[tuple[str, str | None]]
+    """Each rank's host (:func:`host_key`) and GPU (UUID; None on the CPU)."""
     _handles: dict[int, list[IpcHandle]]
+    _mirror: RankMirror | None
+    _checked: bool
+    """Whether rank 0 looked for every rank's GPU on its host (once)."""
+    _mapper: IpcMapper | None
 
     def __init__(self, local: GpuSlots, group: object = None) -> None:
         self.local = local
@@ -46,9 +119,13 @@ class DistributedGpuSlots:
         self.rank = torch.distributed.get_rank(group)  # type: ignore[arg-type]
         self.world = torch.distributed.get_world_size(group)  # type: ignore[arg-type]
         self.counts = []
-        self._parts = []
+        self._placed = []
         self._sizes = []
+        self._places = []
         self._handles = {}
+        self._mirror = None
+        self._checked = False
+        self._mapper = None
 
     @property
     def num_slots(self) -> int:
@@ -56,12 +133,31 @@ class DistributedGpuSlots:
 
     @property
     def device_bytes(self) -> int:
-        return self.local.device_bytes
+        return self.local.device_bytes + (self._mirror.device_bytes if self._mirror is not None else 0)
 
     @property
-    def whole(self) -> GpuSlots | None:
-        """Rank 0's slots hold only its own pieces: the host publisher cannot be fed from them."""
-        return None
+    def whole(self) -> RankMirror | None:
+        """Rank 0, after the first fill, with every rank's GPU on its host and visible to it: every rank's slot as one
+        version on its GPU (:class:`RankMirror`); else None (module docstring)."""
+        if self._checked or self.rank != 0 or not self.counts or self.local.device.type != "cuda":
+            return self._mirror
+        self._checked = True
+        here = host_key()
+        away = [r for r, (host, gpu) in enumerate(self._places) if host != here or gpu is None or local_device(gpu) is None]
+        if away:
+            log.warning("weights: ranks %s are not on this host or their GPUs are not visible to rank 0: the host "
+                        "transport gets the versions gathered to rank 0", away)  # fmt: skip
+            return None
+        self._mapper = IpcMapper()
+        self._mirror = RankMirror(self.local, self._placed, self._sizes, self._remote)
+        return self._mirror
+
+    def _remote(self, slot: int, rank: int) -> list[torch.Tensor]:
+        """Rank ``rank``'s buckets of ``slot``, mapped in this process over CUDA IPC (kept mapped)."""
+        assert self._mapper is not None
+        first = sum(self.counts[:rank])
+        handles = self._handles[slot][first : first + self.counts[rank]]
+        return [self._mapper.open(h, padded(n)) for h, n in zip(handles, self._sizes[rank], strict=True)]
 
     def _exchange(self, obj: object) -> list:
         out: list = [None] * self.world
@@ -72,11 +168,12 @@ class DistributedGpuSlots:
         """Every rank, together: copy this rank's ``pieces`` into ``slot`` (module docstring)."""
         self.local.plan(pieces)
         if not self.counts:
-            sizes = self.local.bucket_sizes
-            tensors, _ = self.local.manifest_parts([0] * len(sizes))
-            everyone = self._exchange((tensors, sizes))
-            self._parts = [t for t, _ in everyone]
-            self._sizes = [s for _, s in everyone]
+            device = self.local.device
+            gpu = device_uuid(device) if device.type == "cuda" else None
+            everyone = self._exchange((self.local.placed, self.local.bucket_sizes, host_key(), gpu))
+            self._placed = [p for p, _, _, _ in everyone]
+            self._sizes = [s for _, s, _, _ in everyone]
+            self._places = [(h, g) for _, _, h, g in everyone]
             self.counts = [len(s) for s in self._sizes]
         if not self.local.allocated(slot):
             self.local.allocate(slot)
@@ -97,14 +194,8 @@ class DistributedGpuSlots:
         tensors_by_rank: list[list[ManifestTensor]] = []
         buckets: list[BucketEntry] = []
         first = 0
-        for r, (parts, sizes) in enumerate(zip(self._parts, self._sizes, strict=True)):
-            shift = first
-            tensors_by_rank.append([
-                ManifestTensor(t.name, t.dtype, t.shape, [
-                    PieceEntry(p.bucket + shift, p.offset, p.nbytes, p.checksum, p.dim, p.start, p.length, p.encoding, r)
-                    for p in t.pieces])
-                for t in parts
-            ])  # fmt: skip
+        for r, (placed, sizes) in enumerate(zip(self._placed, self._sizes, strict=True)):
+            tensors_by_rank.append([x.entry(first, r) for x in placed])
             buckets += GpuSlots.bucket_entries(sizes, sums[first : first + len(sizes)], first)
             first += len(sizes)
         return merge_rank_tensors(tensors_by_rank), buckets

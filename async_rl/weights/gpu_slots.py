@@ -45,9 +45,10 @@ class GpuExport(Protocol):
     def device_bytes(self) -> int: ...
 
     @property
-    def whole(self) -> GpuSlots | None:
-        """This process's slots when they hold whole versions (the host publisher is fed from them, encoded on the
-        GPU by :mod:`.gpu_encoder`), else None."""
+    def whole(self) -> WholeVersion | None:
+        """Where this process finds a slot's whole version on its GPU (the host publisher is fed from it, encoded on
+        the GPU by :mod:`.gpu_encoder`): its own slots, rank 0's mirror of every rank's
+        (:class:`~async_rl.weights.gpu_ranks.RankMirror`), or None (the host transport gets the gathered weights)."""
 
     def fill(self, slot: int, version: int, source: PieceSource) -> GpuFill: ...
 
@@ -58,8 +59,24 @@ class GpuExport(Protocol):
     def tensors(self, slot: int) -> list[Piece]: ...
 
 
+class WholeVersion(Protocol):
+    """A whole version held in a slot on this process's GPU, as buckets of placed pieces (what :mod:`.gpu_encoder`
+    reads): :class:`GpuSlots` of one rank, or rank 0's mirror of every rank's."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def placed(self) -> list[Placed]: ...
+
+    def buffers(self, slot: int) -> list[torch.Tensor]:
+        """The slot's buckets on :attr:`device` (flat uint8, padded), ready for work queued on the current stream."""
+
+    def tensors(self, slot: int) -> list[Piece]: ...
+
+
 @dataclass(slots=True)
-class _Placed:
+class Placed:
     """Where one piece goes: its bucket and offset, and its place in the full tensor."""
 
     name: str
@@ -74,6 +91,21 @@ class _Placed:
     bucket: int
     offset: int
     nbytes: int
+
+    def view(self, buffers: list[torch.Tensor]) -> torch.Tensor:
+        """The piece in ``buffers`` (a slot's buckets), in its dtype and shape."""
+        return buffers[self.bucket][self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+    def piece(self, buffers: list[torch.Tensor]) -> Piece:
+        """The piece in ``buffers`` as a :class:`Piece` (a view)."""
+        return Piece(self.name, self.view(buffers), None if self.length < 0 else self.full_shape, self.dim, self.start)
+
+    def entry(self, first_bucket: int = 0, rank: int = 0) -> ManifestTensor:
+        """Its tensor in a manifest: this one ``raw`` piece (checksum 0: the bucket's covers it)."""
+        sliced = self.length >= 0
+        return ManifestTensor(self.name, DTYPE_NAMES[self.dtype], self.full_shape, [
+            PieceEntry(first_bucket + self.bucket, self.offset, self.nbytes, 0, self.dim if sliced else 0,
+                       self.start if sliced else 0, self.length, "raw", rank)])  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -106,7 +138,7 @@ class GpuSlots:
     bucket_bytes: int
     dtype: torch.dtype | None
     rank: int
-    placed: list[_Placed]
+    placed: list[Placed]
     bucket_sizes: list[int]
     """Bytes of each bucket the pieces use (the buffers are padded past it)."""
     _key: tuple | None
@@ -155,7 +187,7 @@ class GpuSlots:
             full = shape if p.whole else tuple(p.full_shape or ())
             length = -1 if p.whole else shape[p.dim]
             nbytes = p.tensor.numel() * dtype.itemsize
-            placed.append(_Placed(p.name, dtype, shape, full, p.dim, p.start, length, 0, 0, nbytes))
+            placed.append(Placed(p.name, dtype, shape, full, p.dim, p.start, length, 0, 0, nbytes))
         places, sizes = plan_sizes([x.nbytes for x in placed], self.bucket_bytes)
         for x, (bucket, offset) in zip(placed, places, strict=True):
             x.bucket, x.offset = bucket, offset
@@ -170,9 +202,7 @@ class GpuSlots:
         if bufs is None:
             bufs = [torch.zeros(padded(n), dtype=torch.uint8, device=self.device) for n in self.bucket_sizes]
             self._buffers[slot] = bufs
-            self._views[slot] = [
-                bufs[x.bucket][x.offset : x.offset + x.nbytes].view(x.dtype).view(x.shape) for x in self.placed
-            ]
+            self._views[slot] = [x.view(bufs) for x in self.placed]
             if self.device.type == "cuda":
                 self._handles[slot] = [export(b) for b in bufs]
         return bufs
@@ -195,17 +225,11 @@ class GpuSlots:
 
     def tensors(self, slot: int) -> list[Piece]:
         """The pieces as views of a filled slot (valid until the slot is filled again)."""
-        return [Piece(x.name, v, None if x.length < 0 else x.full_shape, x.dim, x.start)
-                for x, v in zip(self.placed, self._views[slot], strict=True)]  # fmt: skip
+        return [x.piece(self.buffers(slot)) for x in self.placed]
 
     def manifest_parts(self, sums: list[int], first_bucket: int = 0) -> tuple[list[ManifestTensor], list[BucketEntry]]:
         """This rank's tensors (raw pieces; their checksum is the bucket's) and buckets, indices from ``first_bucket``."""
-        tensors = [
-            ManifestTensor(x.name, DTYPE_NAMES[x.dtype], x.full_shape, [
-                PieceEntry(first_bucket + x.bucket, x.offset, x.nbytes, 0, x.dim if x.length >= 0 else 0,
-                           x.start if x.length >= 0 else 0, x.length, "raw", self.rank)])
-            for x in self.placed
-        ]  # fmt: skip
+        tensors = [x.entry(first_bucket, self.rank) for x in self.placed]
         return tensors, self.bucket_entries(self.bucket_sizes, sums, first_bucket)
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""Every rank publishes its own pieces into its own GPU slots; a reader in another process assembles them bit for bit.
+"""Every rank publishes its own pieces into its own GPU slots; a reader in another process assembles them bit for bit,
+and so does a reader of the host transport, fed from every rank's slot on rank 0's GPU.
 
     torchrun --nproc-per-node 2 scripts/megatron/check_gpu_export.py --ep 2 --out OUT/gpu-export-ep2.json
     torchrun --nproc-per-node 1 scripts/megatron/check_gpu_export.py --out OUT/gpu-export-1.json   (one rank: its own pieces too)
@@ -7,7 +8,10 @@ A toy Qwen3-MoE (8 experts, the first layer dense) in bfloat16 under the given l
 learner runs them. Rank 0 publishes versions through the GPU path with every rank filling its own slots
 (``MegatronWeights.gpu_export``: no gather), a reader process (``tests/gpu/ipc_reader.py``) maps every rank's
 buffers over CUDA IPC, checks the checksums and assembles the tensors on its GPU; they must equal the gathered
-export (``export_weights``) bit for bit, before and after optimizer steps. Exit code 0 when every check holds.
+export (``export_weights``) bit for bit, before and after optimizer steps. The same versions go to the host transport
+(Redis) from rank 0's copy of every rank's slot, encoded on its GPU (a delta where that pays: ``--lr 1e-5`` moves few
+bf16 weights a step), and a host-transport reader must get the gathered export bit for bit too; ``--cpu-encode``:
+encoded on the CPU instead (``publisher.gpu_encode=false``). Exit code 0 when every check holds.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--cpu-encode", action="store_true")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     from actors.learner.megatron.backend import MegatronBackend
@@ -40,7 +46,7 @@ def main() -> int:
     cfg = toy_config(num_layers=4, dense_first=True)
     hf = build_hf(cfg, device="cuda")
     mcfg = MegatronConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
-                          dtype="bfloat16", router_replay=False, lr=1e-2)  # fmt: skip
+                          dtype="bfloat16", router_replay=False, lr=args.lr)  # fmt: skip
     sd = {k: v.detach().to(torch.bfloat16).cpu() for k, v in hf.state_dict().items()}
     meg = MegatronBackend(mcfg, hf.config, sd)
     if torch.distributed.get_rank() != 0:
@@ -62,25 +68,42 @@ async def _lead(meg, mb, loss, args) -> dict:  # type: ignore[no-untyped-def]
 
     from async_rl.names import Names
     from async_rl.servers import ensure_servers
+    from async_rl.weights import WeightPublisher, WeightReader
+    from async_rl.weights.background import BackgroundPublisher
     from async_rl.weights.config import PublisherConfig
     from async_rl.weights.gpu_publisher import GpuPublisher
+    from async_rl.weights.redis_transport import RedisTransport
 
     servers = ensure_servers(None, None)
     redis = aioredis.Redis.from_url(servers.redis_url)
     names = Names(prefix=f"gpu-export-{os.getpid()}")
-    pcfg = PublisherConfig(gpu_bucket_bytes=1 << 20)
+    pcfg = PublisherConfig(gpu_bucket_bytes=1 << 20, bucket_bytes=1 << 20, gpu_encode=not args.cpu_encode)
     export = meg.gpu_export(pcfg)
-    pub = GpuPublisher(redis, names, pcfg, export)
-    res: dict = {"layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep}, "versions": [], "ok": True}
+    host = BackgroundPublisher(WeightPublisher(redis, RedisTransport(servers.redis_url, names), names, pcfg))
+    pub = GpuPublisher(redis, names, pcfg, export, host=host)
+    host_reader = WeightReader(redis, RedisTransport(servers.redis_url, names), names)
+    held = None
+    res: dict = {"layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep}, "lr": args.lr,
+                 "host_encoded_on": "cpu" if args.cpu_encode else "gpu", "versions": [], "ok": True}  # fmt: skip
     try:
-        for version in (1, 2, 3):
+        for version in (1, 2, 3, 4):
             if version > 1:
                 meg.train_step([mb], loss, replay_routes=False)
             t0 = time.perf_counter()
             assert await pub.offer(version, meg.snapshot_source)
             block_s = time.perf_counter() - t0
             await pub.wait_idle()
+            await host.wait_idle()
             want = dict(meg.export_weights())
+            fed = export.whole is not None  # rank 0 holds every rank's slot (one host): the host transport fed from it
+            host_bad: list[str] = ["not fed from the GPU slots"]
+            host_kind = None
+            if fed:
+                got_host = await host_reader.fetch(version, held)
+                held, host_kind = got_host, got_host.manifest.kind
+                host_bad = sorted(k for k in want if k not in got_host.tensors or not torch.equal(
+                    got_host.tensors[k].cpu().view(torch.uint8), want[k].contiguous().cpu().view(torch.uint8)))  # fmt: skip
+                host_bad += sorted(set(got_host.tensors) - set(want))
             out = args.out.with_suffix(f".v{version}.pt")
             env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
             proc = await asyncio.to_thread(
@@ -97,11 +120,14 @@ async def _lead(meg, mb, loss, args) -> dict:  # type: ignore[no-untyped-def]
             extra = sorted(set(got["tensors"]) - set(want))
             res["versions"].append({"version": version, "tensors": len(want), "mismatched": bad[:10],
                                     "unexpected": extra[:10], "offer_block_s": round(block_s, 4),
-                                    "reader_total_s": round(got["total_s"], 4)})  # fmt: skip
-            res["ok"] = res["ok"] and not bad and not extra
+                                    "reader_total_s": round(got["total_s"], 4), "host_kind": host_kind,
+                                    "host_mismatched": host_bad[:10]})  # fmt: skip
+            res["ok"] = res["ok"] and not bad and not extra and not host_bad
             out.unlink()
         slots = export.slots  # every rank's (DistributedGpuSlots) or, with one rank, its own (GpuSlots)
         res["ranks_buckets"] = getattr(slots, "counts", None) or [len(slots.bucket_sizes)]
+        res["host_records"] = [{"version": r.version, "kind": r.kind, "bytes_sent": r.bytes_sent,
+                                "latency_s": round(r.latency_s, 4)} for r in host.take_records()]  # fmt: skip
     finally:
         await pub.aclose()
         await redis.aclose()

@@ -1,7 +1,8 @@
 """Versions for other hosts encoded from the GPU slots (async_rl/weights/gpu_encoder.py), through the real host
 publisher, Redis and reader, on the CPU (the slots on the CPU; the GPU publisher's own glue runs in
-tests/gpu/test_gpu_weights.py): every version a reader applies equals the slot's bit for bit, deltas go out as the
-changed elements, full versions when asked, and a reader joining late builds the newest."""
+tests/gpu/test_gpu_weights.py, several ranks' in scripts/megatron/check_gpu_export.py): every version a reader applies
+equals the slot's bit for bit, deltas go out as the changed elements, full versions when asked, a reader joining late
+builds the newest, and several ranks' slots mirrored on rank 0 go out as one version."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from async_rl.weights.gpu_checksum import padded
 from async_rl.weights.gpu_publisher import GpuPublisher
 from async_rl.weights.gpu_slots import GpuSlots
 from async_rl.weights.redis_transport import RedisTransport
+from async_rl.weights.snapshot import Piece
 
 
 def _model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -96,10 +98,62 @@ async def test_host_versions_from_the_gpu_slots_apply_bit_for_bit(redis_client: 
         await host.aclose()
 
 
+async def test_every_rank_s_slot_mirrored_on_rank_0_goes_out_bit_for_bit(redis_client: aioredis.Redis,
+                                                                         servers: ServerSet, names: Names) -> None:  # fmt: skip
+    """Two ranks' slots (uneven row slices of one tensor, the other tensors on one rank each) as one version on rank
+    0 (RankMirror: on a GPU the other rank's buckets are mapped over CUDA IPC; here they are that rank's own CPU
+    buffers), encoded for the host transport: a reader applies the full tensors, deltas included, and rank 1's slot
+    changing after the encode does not change what went out."""
+    from async_rl.weights.gpu_ranks import RankMirror
+
+    def pieces(model: dict[str, torch.Tensor], rank: int) -> list[Piece]:
+        w = model["layer.w"]
+        rows = slice(0, 24) if rank == 0 else slice(24, 64)
+        own = [Piece("layer.w", w[rows], tuple(w.shape), 0, rows.start)]
+        return own + ([Piece("embed", model["embed"])] if rank == 0 else
+                      [Piece("norm", model["norm"]), Piece("count", model["count"])])  # fmt: skip
+
+    cfg = PublisherConfig(bucket_bytes=16 << 10, gpu_dtype="bfloat16")
+    host = BackgroundPublisher(WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names, cfg))
+    encoder = GpuPublisher(redis_client, names, cfg, GpuSlots("cpu"), host=host).encoder
+    assert encoder is not None
+    ranks = [GpuSlots("cpu", num_slots=2, bucket_bytes=1 << 14, dtype=torch.bfloat16, rank=r) for r in range(2)]
+    reader = WeightReader(redis_client, RedisTransport(servers.redis_url, names), names)
+    model, held, mirror = _model(), None, None
+    try:
+        for version in range(3):
+            if version:
+                model = _train(model, version)
+            slot = version % 2
+            for r, rank_slots in enumerate(ranks):
+                rank_slots.fill(slot, version, pieces(model, r)).wait()
+            if mirror is None:
+                mirror = RankMirror(ranks[0], [s.placed for s in ranks], [s.bucket_sizes for s in ranks],
+                                    lambda slot, r: ranks[r].buffers(slot))  # fmt: skip
+                assert len(mirror.placed) == 5 and {x.bucket for x in mirror.placed} == set(range(
+                    len(ranks[0].bucket_sizes) + len(ranks[1].bucket_sizes)))  # fmt: skip
+
+            def encode(full: bool, base: int, link: float | None, slot: int = slot, version: int = version,
+                       mirror: RankMirror = mirror):  # type: ignore[no-untyped-def]  # fmt: skip
+                enc = encoder.encode(mirror, slot, version, full=full, base_version=base, link_bytes_per_s=link)
+                for b in ranks[1].buffers(slot):
+                    b.fill_(7)  # rank 1 moves on: what was encoded is the mirror's copy
+                return enc
+
+            await host.flush(version, encode=encode)
+            got = await reader.fetch(version, held)
+            assert _same(got.tensors, _bf16(model)), f"v{version}"
+            layer = next(t for t in got.manifest.tensors if t.name == "layer.w")
+            assert [(p.start, p.length) for p in layer.pieces] == [(0, 24), (24, 40)]
+            assert got.manifest.kind == ("full" if version == 0 else "delta")
+            held = got
+        assert mirror is not None and mirror.device_bytes == sum(padded(n) for n in ranks[1].bucket_sizes)
+    finally:
+        await host.aclose()
+
+
 async def test_the_gpu_encodes_only_whole_versions_and_when_asked(redis_client: aioredis.Redis, servers: ServerSet,
                                                                    names: Names) -> None:  # fmt: skip
-    from async_rl.weights.gpu_ranks import DistributedGpuSlots
-
     def gpu(cfg: PublisherConfig, slots, host: bool = True) -> GpuPublisher:  # type: ignore[no-untyped-def]
         bg = BackgroundPublisher(WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names, cfg))
         return GpuPublisher(redis_client, names, cfg, slots, host=bg if host else None)
@@ -108,7 +162,6 @@ async def test_the_gpu_encodes_only_whole_versions_and_when_asked(redis_client: 
     assert gpu(PublisherConfig(), one).encoder is not None
     assert gpu(PublisherConfig(gpu_encode=False), one).encoder is None  # the host publisher snapshots and encodes
     assert gpu(PublisherConfig(), one, host=False).encoder is None  # publisher.gpu_host_copies=false
-    assert DistributedGpuSlots.whole.fget(None) is None  # type: ignore[attr-defined]  # several ranks: gathered weights
     enc = gpu(PublisherConfig(delta=False), one).encoder
     assert enc is not None and not enc.delta
 

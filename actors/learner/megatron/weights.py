@@ -9,8 +9,9 @@
   tensor-parallel slices, pipeline stage and expert-parallel experts; of replicas only one rank) into its own slot,
   on its side stream, and the ranks' checksums meet on rank 0 in one collective queued behind them
   (:mod:`async_rl.weights.gpu_ranks`). A same-host generator maps every rank's buffers and assembles the tensors
-  on its own GPU. No gather. One rank does the same (its slots then hold the whole version, and feed the host
-  transport), with the grouped experts' stacked weights as one view each
+  on its own GPU. No gather. Rank 0 feeds the host transport from every rank's slot, copied GPU to GPU to its own
+  (:class:`~async_rl.weights.gpu_ranks.RankMirror`; ranks on other hosts: the gathered export). One rank does the
+  same (its slots then hold the whole version), with the grouped experts' stacked weights as one view each
   (:func:`~actors.learner.megatron.rank_export.stacked_expert_pieces`).
 """
 
@@ -31,7 +32,7 @@ from async_rl.weights.config import PublisherConfig
 from async_rl.weights.cuda_ipc import IpcHandle
 from async_rl.weights.gpu_publisher import local_slots
 from async_rl.weights.gpu_ranks import DistributedGpuSlots
-from async_rl.weights.gpu_slots import GpuExport, GpuFill, GpuSlots, PieceSource
+from async_rl.weights.gpu_slots import GpuExport, GpuFill, GpuSlots, PieceSource, WholeVersion
 from async_rl.weights.manifest import BucketEntry, ManifestTensor
 from async_rl.weights.snapshot import Piece
 
@@ -125,8 +126,7 @@ class MegatronWeights(TrainingBackend):
         rank, its slots hold the whole version."""
         if torch.distributed.get_world_size() == 1:
             # One rank too copies its own pieces (views of the parameters) into its slots, rather than the converted
-            # weights (mcore_to_hf's launches ran inside the snapshot: 34 ms of the 1.65B MoE's step); its slots hold
-            # the whole version, so the host transport is still fed from them.
+            # weights (mcore_to_hf's launches ran inside the snapshot: 34 ms of the 1.65B MoE's step).
             local = super().gpu_export(cfg)
             if not isinstance(local, GpuSlots):
                 return local
@@ -207,8 +207,8 @@ class MegatronGpuExport:
         return self.slots.device_bytes
 
     @property
-    def whole(self) -> GpuSlots | None:
-        return self.slots.whole  # one rank's slots hold the whole version
+    def whole(self) -> WholeVersion | None:
+        return self.slots.whole  # one rank: its slots; several: rank 0's mirror of every rank's (or None)
 
     def fill(self, slot: int, version: int, source: PieceSource) -> GpuFill:
         """Every rank copies its own pieces (``source``, the gathered export, is not used)."""
