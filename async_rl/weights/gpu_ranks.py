@@ -87,11 +87,26 @@ class RankMirror:
         return out
 
     def tensors(self, slot: int) -> list[Piece]:
-        """Every rank's pieces of ``slot`` as views of this GPU's buckets (the copies done)."""
+        """The version's tensors from every rank's pieces of ``slot`` (the host publisher's CPU path takes one piece a
+        tensor): a tensor of one piece a view of this GPU's buckets, one of several the pieces joined (a copy)."""
         bufs = self.buffers(slot)
+        by_name: dict[str, list[Placed]] = {}
+        for x in self.placed:
+            by_name.setdefault(x.name, []).append(x)
+        out = []
+        for name, xs in by_name.items():
+            if len(xs) == 1:
+                out.append(xs[0].piece(bufs))
+                continue
+            xs.sort(key=lambda x: x.start)
+            joined = torch.cat([x.view(bufs) for x in xs], dim=xs[0].dim)
+            if tuple(joined.shape) != xs[0].full_shape:
+                raise ValueError(f"weights: the ranks' pieces of {name!r} make {tuple(joined.shape)}, not "
+                                 f"{xs[0].full_shape}")  # fmt: skip
+            out.append(Piece(name, joined))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        return [x.piece(bufs) for x in self.placed]
+        return out
 
 
 class DistributedGpuSlots:

@@ -45,8 +45,10 @@ def main() -> int:
 
     cfg = toy_config(num_layers=4, dense_first=True)
     hf = build_hf(cfg, device="cuda")
+    # Experts not cut by tensor parallelism: rank_export cannot cut the fused expert tensors that way (the learner
+    # gathers instead, and says so).
     mcfg = MegatronConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
-                          dtype="bfloat16", router_replay=False, lr=args.lr)  # fmt: skip
+                          expert_tensor_parallel=1, dtype="bfloat16", router_replay=False, lr=args.lr)  # fmt: skip
     sd = {k: v.detach().to(torch.bfloat16).cpu() for k, v in hf.state_dict().items()}
     meg = MegatronBackend(mcfg, hf.config, sd)
     if torch.distributed.get_rank() != 0:

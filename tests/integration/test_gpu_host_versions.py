@@ -103,7 +103,7 @@ async def test_every_rank_s_slot_mirrored_on_rank_0_goes_out_bit_for_bit(redis_c
     """Two ranks' slots (uneven row slices of one tensor, the other tensors on one rank each) as one version on rank
     0 (RankMirror: on a GPU the other rank's buckets are mapped over CUDA IPC; here they are that rank's own CPU
     buffers), encoded for the host transport: a reader applies the full tensors, deltas included, and rank 1's slot
-    changing after the encode does not change what went out."""
+    changing after the encode does not change what went out; the CPU path gets the tensors joined."""
     from async_rl.weights.gpu_ranks import RankMirror
 
     def pieces(model: dict[str, torch.Tensor], rank: int) -> list[Piece]:
@@ -132,6 +132,9 @@ async def test_every_rank_s_slot_mirrored_on_rank_0_goes_out_bit_for_bit(redis_c
                                     lambda slot, r: ranks[r].buffers(slot))  # fmt: skip
                 assert len(mirror.placed) == 5 and {x.bucket for x in mirror.placed} == set(range(
                     len(ranks[0].bucket_sizes) + len(ranks[1].bucket_sizes)))  # fmt: skip
+            # What the host publisher's CPU path takes (publisher.gpu_encode=false): one whole piece a tensor.
+            joined = mirror.tensors(slot)
+            assert all(p.whole for p in joined) and _same({p.name: p.tensor for p in joined}, _bf16(model))
 
             def encode(full: bool, base: int, link: float | None, slot: int = slot, version: int = version,
                        mirror: RankMirror = mirror):  # type: ignore[no-untyped-def]  # fmt: skip
