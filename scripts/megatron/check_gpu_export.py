@@ -45,10 +45,12 @@ def main() -> int:
 
     cfg = toy_config(num_layers=4, dense_first=True)
     hf = build_hf(cfg, device="cuda")
-    # Experts not cut by tensor parallelism: rank_export cannot cut the fused expert tensors that way (the learner
-    # gathers instead, and says so).
-    mcfg = MegatronConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
-                          expert_tensor_parallel=1, dtype="bfloat16", router_replay=False, lr=args.lr)  # fmt: skip
+    # With tensor parallelism (and, for MoE training, megatron's required sequence parallelism) the experts are cut by
+    # it too, and rank_export cannot cut transformers' fused expert tensors that way (the learner would gather instead,
+    # and say so): per-expert names, as the learner advises.
+    mcfg = MegatronConfig(tensor_parallel=args.tp, sequence_parallel=args.tp > 1, pipeline_parallel=args.pp,
+                          expert_parallel=args.ep, fused_experts_export=args.tp == 1, dtype="bfloat16",
+                          router_replay=False, lr=args.lr)  # fmt: skip
     sd = {k: v.detach().to(torch.bfloat16).cpu() for k, v in hf.state_dict().items()}
     meg = MegatronBackend(mcfg, hf.config, sd)
     if torch.distributed.get_rank() != 0:
@@ -85,7 +87,8 @@ async def _lead(meg, mb, loss, args) -> dict:  # type: ignore[no-untyped-def]
     pub = GpuPublisher(redis, names, pcfg, export, host=host)
     host_reader = WeightReader(redis, RedisTransport(servers.redis_url, names), names)
     held = None
-    res: dict = {"layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep}, "lr": args.lr,
+    machine = " + ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    res: dict = {"machine": machine, "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep}, "lr": args.lr,
                  "host_encoded_on": "cpu" if args.cpu_encode else "gpu", "versions": [], "ok": True}  # fmt: skip
     try:
         for version in (1, 2, 3, 4):
