@@ -24,8 +24,13 @@ from dataclasses import dataclass
 import torch
 
 OPEN_CACHE_SIZE = 64
-"""Opened handles kept mapped: the learner's buffers of a few versions (a handle not seen among the newest this
-many is closed, e.g. after the learner restarted with new buffers)."""
+"""Opened handles kept mapped, at least: the learner's buffers of a few versions (a handle not seen among the newest
+this many is closed, e.g. after the learner restarted with new buffers)."""
+
+VERSIONS_KEPT = 4
+"""A mapper keeps this many times the largest set of handles opened at once (:meth:`IpcMapper.open_all`: one version's
+buckets) mapped, when that is more than :data:`OPEN_CACHE_SIZE`: a learner's slots (``publisher.gpu_slots``, 2 by
+default) stay mapped whatever the model's size, instead of every version mapping its buckets again."""
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -121,12 +126,24 @@ def export(buf: torch.Tensor) -> IpcHandle:
 
 
 class IpcMapper:
-    """Opens handles once and keeps them mapped (the newest :data:`OPEN_CACHE_SIZE`)."""
+    """Opens handles once and keeps them mapped (the newest :attr:`capacity`)."""
 
+    capacity: int
+    """Handles kept mapped: :data:`OPEN_CACHE_SIZE`, or :data:`VERSIONS_KEPT` versions' worth when more."""
+    opened: int
+    """Handles mapped so far (a handle mapped again after it was closed counts again)."""
     _open: OrderedDict[tuple[bytes, int], torch.Tensor]
 
     def __init__(self) -> None:
+        self.capacity = OPEN_CACHE_SIZE
+        self.opened = 0
         self._open = OrderedDict()
+
+    def open_all(self, handles: list[IpcHandle], sizes: list[int]) -> list[torch.Tensor]:
+        """:meth:`open` each of one version's handles (``sizes``: the bytes needed of each), keeping
+        :data:`VERSIONS_KEPT` such sets mapped."""
+        self.capacity = max(self.capacity, VERSIONS_KEPT * len(handles))
+        return [self.open(h, n) for h, n in zip(handles, sizes, strict=True)]
 
     def open(self, h: IpcHandle, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the exported buffer as a uint8 tensor on its device (in this process's numbering);
@@ -146,8 +163,9 @@ class IpcMapper:
                 raise IpcUnavailable(f"cannot map the learner's GPU buffer: {exc}") from exc
             buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
             buf.set_(storage, 0, (h.storage_bytes,), (1,))
+            self.opened += 1
             self._open[key] = buf
-            while len(self._open) > OPEN_CACHE_SIZE:
+            while len(self._open) > self.capacity:
                 self._open.popitem(last=False)
         else:
             self._open.move_to_end(key)

@@ -48,13 +48,13 @@ class RankMirror:
     placed: list[Placed]
     """Every rank's pieces, bucket indices global (rank ``r``'s from ``sum(counts[:r])``)."""
     _sizes: list[list[int]]
-    _remote: Callable[[int, int], list[torch.Tensor]]
+    _remote: Callable[[int], list[torch.Tensor]]
     _copies: list[torch.Tensor] | None
 
     def __init__(self, local: GpuSlots, placed: list[list[Placed]], sizes: list[list[int]],
-                 remote: Callable[[int, int], list[torch.Tensor]]) -> None:  # fmt: skip
-        """``placed``/``sizes``: every rank's pieces and bucket sizes (rank 0's are ``local``'s); ``remote(slot, r)``:
-        rank ``r``'s buckets of ``slot`` as this process sees them (mapped over CUDA IPC)."""
+                 remote: Callable[[int], list[torch.Tensor]]) -> None:  # fmt: skip
+        """``placed``/``sizes``: every rank's pieces and bucket sizes (rank 0's are ``local``'s); ``remote(slot)``: the
+        other ranks' buckets of ``slot`` in rank order, as this process sees them (mapped over CUDA IPC)."""
         self.local, self._sizes, self._remote = local, sizes, remote
         self.placed = []
         first = 0
@@ -77,14 +77,9 @@ class RankMirror:
         if self._copies is None:
             self._copies = [torch.empty(padded(n), dtype=torch.uint8, device=self.device)
                             for rank_sizes in self._sizes[1:] for n in rank_sizes]  # fmt: skip
-        out = list(self.local.buffers(slot))
-        copies = iter(self._copies)
-        for r in range(1, len(self._sizes)):
-            for src in self._remote(slot, r):
-                dst = next(copies)
-                dst.copy_(src, non_blocking=True)
-                out.append(dst)
-        return out
+        for dst, src in zip(self._copies, self._remote(slot), strict=True):
+            dst.copy_(src, non_blocking=True)
+        return list(self.local.buffers(slot)) + self._copies
 
     def tensors(self, slot: int) -> list[Piece]:
         """The version's tensors from every rank's pieces of ``slot`` (the host publisher's CPU path takes one piece a
@@ -167,12 +162,11 @@ class DistributedGpuSlots:
         self._mirror = RankMirror(self.local, self._placed, self._sizes, self._remote)
         return self._mirror
 
-    def _remote(self, slot: int, rank: int) -> list[torch.Tensor]:
-        """Rank ``rank``'s buckets of ``slot``, mapped in this process over CUDA IPC (kept mapped)."""
+    def _remote(self, slot: int) -> list[torch.Tensor]:
+        """The other ranks' buckets of ``slot`` in rank order, mapped in this process over CUDA IPC (kept mapped)."""
         assert self._mapper is not None
-        first = sum(self.counts[:rank])
-        handles = self._handles[slot][first : first + self.counts[rank]]
-        return [self._mapper.open(h, padded(n)) for h, n in zip(handles, self._sizes[rank], strict=True)]
+        handles = self._handles[slot][self.counts[0] :]
+        return self._mapper.open_all(handles, [padded(n) for sizes in self._sizes[1:] for n in sizes])
 
     def _exchange(self, obj: object) -> list:
         out: list = [None] * self.world

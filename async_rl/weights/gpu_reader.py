@@ -101,7 +101,7 @@ class GpuReader:
             self._stream = torch.cuda.Stream(device=self.device)
         stream = self._stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            sources = [self.mapper.open(h, b.nbytes) for b, h in zip(manifest.buckets, manifest.ipc.handles, strict=True)]
+            sources = self.mapper.open_all(manifest.ipc.handles, [b.nbytes for b in manifest.buckets])
             buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=self.device) for b in manifest.buckets]
             for dst, src in zip(buffers, sources, strict=True):
                 dst.copy_(src, non_blocking=True)

@@ -90,6 +90,33 @@ async def test_readers_in_other_processes_get_every_version_bit_for_bit(servers,
     await pub.aclose()
 
 
+async def test_a_reader_maps_each_slot_once_whatever_the_number_of_buckets(servers, names, redis_client, tmp_path):
+    """Versions of 100 buckets (more than OPEN_CACHE_SIZE handles over two slots): a reader following them, as a
+    generator does, maps each slot's buckets once, not every version again."""
+    cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=64 << 10)
+    pub = GpuPublisher(redis_client, names, cfg, local_slots("cuda:0", cfg))
+    await pub.clean()
+
+    def weights(seed: int) -> dict[str, torch.Tensor]:  # 100 tensors of 64 KiB in bf16: a bucket each
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return {f"model.layers.{i}.w": torch.randn(32768, generator=g, device="cuda") for i in range(100)}
+
+    w = weights(1)
+    await pub.flush(1, lambda: w.items())
+    out = tmp_path / "last.pt"
+    proc = _reader(servers, names, _devices()[-1], out, "--until", "6")
+    for version in range(2, 7):
+        await asyncio.sleep(0.5)  # the reader takes each version
+        w = weights(version)
+        await pub.flush(version, lambda w=w: w.items())
+    _, err = await asyncio.to_thread(proc.communicate, timeout=120)
+    assert proc.returncode == 0, err
+    got = _check(out, 6, w)
+    assert len(got["read"]) >= 3, got["read"]  # both slots, one of them again
+    assert got["opened"] == 200, got["opened"]  # 2 slots x 100 buckets, each mapped once
+    await pub.aclose()
+
+
 async def test_reader_killed_mid_copy_leaves_the_buffers_and_the_next_version_intact(servers, names, redis_client,
                                                                                     tmp_path):  # fmt: skip
     cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=8 << 20)

@@ -129,7 +129,7 @@ async def test_every_rank_s_slot_mirrored_on_rank_0_goes_out_bit_for_bit(redis_c
                 rank_slots.fill(slot, version, pieces(model, r)).wait()
             if mirror is None:
                 mirror = RankMirror(ranks[0], [s.placed for s in ranks], [s.bucket_sizes for s in ranks],
-                                    lambda slot, r: ranks[r].buffers(slot))  # fmt: skip
+                                    lambda slot: ranks[1].buffers(slot))  # fmt: skip
                 assert len(mirror.placed) == 5 and {x.bucket for x in mirror.placed} == set(range(
                     len(ranks[0].bucket_sizes) + len(ranks[1].bucket_sizes)))  # fmt: skip
             # What the host publisher's CPU path takes (publisher.gpu_encode=false): one whole piece a tensor.
