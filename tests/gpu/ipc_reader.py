@@ -5,7 +5,7 @@
 Fetches version V (default: the newest GPU-held one) into DEVICE and saves the tensors (on the CPU) to OUT.pt with
 the version, timings and how many handles it mapped; ``--loop`` fetches the newest version again and again until
 killed (a reader to SIGKILL in the middle of a copy); ``--until V``: fetches each newest version as it appears, as a
-generator does, until it has V. Exit code 3 with the reason on stderr: the path is not usable here (IpcUnavailable).
+generator does, until it has V (both print a line a version read). Exit code 3 with the reason on stderr: the path is not usable here (IpcUnavailable).
 """
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ async def main() -> int:
                 print(f"skipped v{version}: {exc}", file=sys.stderr)
                 continue
             read.append(fetched.version)
+            if args.loop or args.until >= 0:
+                print(f"read v{fetched.version} in {fetched.total_s * 1e3:.1f} ms", flush=True)
             if args.until >= 0 and fetched.version < args.until:
                 continue
             if not args.loop:
                 break
-            print(f"read v{fetched.version} in {fetched.total_s * 1e3:.1f} ms", flush=True)
         torch.save({"version": fetched.version, "total_s": fetched.total_s, "transfer_s": fetched.transfer_s,
                     "read": read, "opened": reader.mapper.opened,
                     "tensors": {k: v.cpu() for k, v in fetched.tensors.items()}}, args.out)  # fmt: skip

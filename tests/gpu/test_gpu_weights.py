@@ -105,14 +105,16 @@ async def test_a_reader_maps_each_slot_once_whatever_the_number_of_buckets(serve
     await pub.flush(1, lambda: w.items())
     out = tmp_path / "last.pt"
     proc = _reader(servers, names, _devices()[-1], out, "--until", "6")
+    assert proc.stdout is not None
     for version in range(2, 7):
-        await asyncio.sleep(0.5)  # the reader takes each version
+        line = await asyncio.to_thread(proc.stdout.readline)  # the reader took the version before
+        assert line.startswith(f"read v{version - 1} "), (line, proc.stderr.read() if not line and proc.stderr else "")
         w = weights(version)
         await pub.flush(version, lambda w=w: w.items())
     _, err = await asyncio.to_thread(proc.communicate, timeout=120)
     assert proc.returncode == 0, err
     got = _check(out, 6, w)
-    assert len(got["read"]) >= 3, got["read"]  # both slots, one of them again
+    assert got["read"] == [1, 2, 3, 4, 5, 6], got["read"]  # both slots, each again and again
     assert got["opened"] == 200, got["opened"]  # 2 slots x 100 buckets, each mapped once
     await pub.aclose()
 
