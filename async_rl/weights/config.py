@@ -9,6 +9,9 @@ from async_rl.checksums import CHECKSUMS
 from async_rl.weights.transport import MAX_BUCKET_BYTES
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+MAX_GPU_SLOTS = 4
+"""Most versions a learner keeps in GPU buffers (``publisher.gpu_slots``): readers keep this many versions' buffers
+mapped (:data:`async_rl.weights.cuda_ipc.VERSIONS_KEPT`)."""
 """dtypes a GPU-held version may be published in (names of async_rl.weights.manifest.DTYPES)."""
 # zstd's highest compression level (the zstandard package is not imported here: configs stay light).
 ZSTD_MAX_LEVEL = 22
@@ -45,8 +48,9 @@ class PublisherConfig:
     (async_rl/weights/gpu_publisher.py): 'auto' where the learner's weights are on a CUDA GPU, 'on' refuses to
     start otherwise, 'off' publishes through the host transport only."""
     gpu_slots: int = 2
-    """Versions kept in GPU buffers (each one the size of the weights in ``gpu_dtype``): the newest is never
-    overwritten, another only when no reader holds a lease on it; with none free a step's version is skipped."""
+    """Versions kept in GPU buffers (2 to :data:`MAX_GPU_SLOTS`, each the size of the weights in ``gpu_dtype``): the
+    newest is never overwritten, another only when no reader holds a lease on it; with none free a step's version is
+    skipped."""
     gpu_bucket_bytes: int = 1 << 30
     """Target size of one GPU bucket (one CUDA IPC handle and one checksum each)."""
     gpu_dtype: str = ""
@@ -80,8 +84,9 @@ class PublisherConfig:
             raise ValueError(f"weights.zstd_level must be in [1, {ZSTD_MAX_LEVEL}], got {self.zstd_level}")
         if self.gpu not in ("auto", "on", "off"):
             raise ValueError(f"publisher.gpu must be 'auto', 'on' or 'off', got {self.gpu!r}")
-        if self.gpu_slots < 2:
-            raise ValueError("publisher.gpu_slots must be >= 2 (the newest version is never overwritten)")
+        if not 2 <= self.gpu_slots <= MAX_GPU_SLOTS:
+            raise ValueError(f"publisher.gpu_slots must be in [2, {MAX_GPU_SLOTS}] (the newest version is never "
+                             f"overwritten; readers keep {MAX_GPU_SLOTS} versions mapped), got {self.gpu_slots}")  # fmt: skip
         if self.gpu_bucket_bytes <= 0:
             raise ValueError("publisher.gpu_bucket_bytes must be > 0")
         if self.gpu_dtype and self.gpu_dtype not in FLOAT_DTYPES:

@@ -18,19 +18,17 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-OPEN_CACHE_SIZE = 64
-"""Opened handles kept mapped, at least: the learner's buffers of a few versions (a handle not seen among the newest
-this many is closed, e.g. after the learner restarted with new buffers)."""
+from async_rl.weights.config import MAX_GPU_SLOTS
 
-VERSIONS_KEPT = 4
-"""A mapper keeps this many times the largest set of handles opened at once (:meth:`IpcMapper.open_all`: one version's
-buckets) mapped, when that is more than :data:`OPEN_CACHE_SIZE`: a learner's slots (``publisher.gpu_slots``, 2 by
-default) stay mapped whatever the model's size, instead of every version mapping its buckets again."""
+VERSIONS_KEPT = MAX_GPU_SLOTS
+"""A mapper keeps the handles of the last this many versions it opened mapped (:meth:`IpcMapper.open_all`), and
+closes the others: every slot of the learner's (``publisher.gpu_slots``, at most this many) stays mapped whatever the
+model's size, and a restarted learner's old buffers are let go (a mapping keeps the memory of a process that died)."""
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -126,28 +124,35 @@ def export(buf: torch.Tensor) -> IpcHandle:
 
 
 class IpcMapper:
-    """Opens handles once and keeps them mapped (the newest :attr:`capacity`)."""
+    """Opens handles once and keeps them mapped while they are among the last :data:`VERSIONS_KEPT` versions' handles."""
 
-    capacity: int
-    """Handles kept mapped: :data:`OPEN_CACHE_SIZE`, or :data:`VERSIONS_KEPT` versions' worth when more."""
     opened: int
     """Handles mapped so far (a handle mapped again after it was closed counts again)."""
-    _open: OrderedDict[tuple[bytes, int], torch.Tensor]
+    _open: dict[tuple[bytes, int], torch.Tensor]
+    _recent: deque[set[tuple[bytes, int]]]
 
     def __init__(self) -> None:
-        self.capacity = OPEN_CACHE_SIZE
         self.opened = 0
-        self._open = OrderedDict()
+        self._open = {}
+        self._recent = deque(maxlen=VERSIONS_KEPT)
+
+    @property
+    def mapped(self) -> int:
+        """Handles mapped now."""
+        return len(self._open)
 
     def open_all(self, handles: list[IpcHandle], sizes: list[int]) -> list[torch.Tensor]:
-        """:meth:`open` each of one version's handles (``sizes``: the bytes needed of each), keeping
-        :data:`VERSIONS_KEPT` such sets mapped."""
-        self.capacity = max(self.capacity, VERSIONS_KEPT * len(handles))
-        return [self.open(h, n) for h, n in zip(handles, sizes, strict=True)]
+        """One version's buffers: the first ``sizes[i]`` bytes of each exported buffer as a uint8 tensor on its device
+        (in this process's numbering); :class:`IpcUnavailable` when one cannot be mapped here. Handles of none of the
+        last :data:`VERSIONS_KEPT` versions are closed."""
+        out = [self._open_one(h, n) for h, n in zip(handles, sizes, strict=True)]
+        self._recent.append({(h.handle, h.storage_offset) for h in handles})
+        keep = set().union(*self._recent)
+        for key in [k for k in self._open if k not in keep]:
+            del self._open[key]  # unmapped once the views handed out are gone too
+        return out
 
-    def open(self, h: IpcHandle, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of the exported buffer as a uint8 tensor on its device (in this process's numbering);
-        :class:`IpcUnavailable` when it cannot be mapped here."""
+    def _open_one(self, h: IpcHandle, nbytes: int) -> torch.Tensor:
         key = (h.handle, h.storage_offset)
         buf = self._open.get(key)
         if buf is None:
@@ -165,13 +170,10 @@ class IpcMapper:
             buf.set_(storage, 0, (h.storage_bytes,), (1,))
             self.opened += 1
             self._open[key] = buf
-            while len(self._open) > self.capacity:
-                self._open.popitem(last=False)
-        else:
-            self._open.move_to_end(key)
         if nbytes > buf.numel():
             raise IpcUnavailable(f"the learner's GPU buffer holds {buf.numel()} bytes, the manifest needs {nbytes}")
         return buf[:nbytes]
 
     def close(self) -> None:
         self._open.clear()
+        self._recent.clear()

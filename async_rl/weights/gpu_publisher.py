@@ -44,7 +44,7 @@ from async_rl.control import ControlPlane, WeightsAnnounced
 from async_rl.names import Names
 from async_rl.weights.background import BackgroundPublisher, Encode, PublishRecord, Source
 from async_rl.weights.config import PublisherConfig
-from async_rl.weights.cuda_ipc import fast_thread_handoffs, host_key
+from async_rl.weights.cuda_ipc import IpcUnavailable, fast_thread_handoffs, host_key
 from async_rl.weights.gpu_encoder import GpuEncoder
 from async_rl.weights.gpu_slots import GpuExport, GpuFill, GpuSlots
 from async_rl.weights.manifest import DTYPES, GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
@@ -70,6 +70,9 @@ class _NoSlots:
     num_slots = 0
     device_bytes = 0
     whole = None
+
+    def drop_whole(self, reason: str) -> bool:
+        return False
 
 
 class GpuSlotsOutOfMemory(RuntimeError):
@@ -200,15 +203,15 @@ class GpuPublisher:
                 f"weights: no GPU memory for GPU slot {slot} ({self.slots.device_bytes / 1e9:.1f} GB held by the "
                 f"others): publisher.gpu_slots={self.slots.num_slots} copies of the weights do not fit beside "
                 f"training; set publisher.gpu=off (or publisher.gpu_dtype=bfloat16 for an fp32 learner)") from exc
+        self._queued[slot] = version
+        self._queue.put_nowait(fill)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._commit_loop(), name="weights-gpu-commit")
         host = self.host
         if host is not None and self.slots.whole is None and host.inflight_version is None:
             # Ranks rank 0 cannot map: the host transport gets the gathered weights (the path before the GPU one),
             # whenever it is idle; publisher.gpu_host_copies=false leaves it to the flush at the end.
             await host.offer(version, source)
-        self._queued[slot] = version
-        self._queue.put_nowait(fill)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._commit_loop(), name="weights-gpu-commit")
         return True
 
     async def _commit_loop(self) -> None:
@@ -269,21 +272,13 @@ class GpuPublisher:
         assert self.host is not None
         self._held[slot] = self._held.get(slot, 0) + 1
         try:
-            encode = self._encode(version, slot)
-            try:
-                if encode is None:
-                    await self._to_host_from_cpu(version, slot, wait)
-                elif wait:
-                    await self.host.flush(version, encode=encode)
-                else:
-                    await self.host.offer_encoded(version, encode)  # returns once its buckets are in host memory
-            except torch.cuda.OutOfMemoryError as exc:
-                if encode is None:
-                    raise
-                log.warning("weights: no GPU memory to encode versions for other hosts (%s); they are snapshot and "
-                            "encoded on the CPU from now on (publisher.gpu_encode=false says so up front)", exc)  # fmt: skip
-                self.encoder = None
-                await self._to_host_from_cpu(version, slot, wait)
+            await self._to_host_from_slot(version, slot, wait)
+        except (torch.cuda.OutOfMemoryError, IpcUnavailable) as exc:
+            if self.slots.drop_whole(repr(exc)):  # rank 0's mirror: the gathered weights from the next offer on
+                self.encoder = None  # its base's memory back to training
+            else:
+                log.error("publishing weights v%d through the host transport failed: %r", version, exc)
+                self._error = exc
         except Exception as exc:
             log.error("publishing weights v%d through the host transport failed: %r", version, exc)
             self._error = exc
@@ -291,6 +286,25 @@ class GpuPublisher:
             self._held[slot] -= 1
             if not self._held[slot]:
                 del self._held[slot]
+
+    async def _to_host_from_slot(self, version: int, slot: int, wait: bool) -> None:
+        """The version in ``slot`` to the host publisher: encoded on the GPU, else snapshot for the CPU to encode."""
+        assert self.host is not None
+        encode = self._encode(version, slot)
+        try:
+            if encode is None:
+                await self._to_host_from_cpu(version, slot, wait)
+            elif wait:
+                await self.host.flush(version, encode=encode)
+            else:
+                await self.host.offer_encoded(version, encode)  # returns once its buckets are in host memory
+        except torch.cuda.OutOfMemoryError as exc:
+            if encode is None:
+                raise
+            log.warning("weights: no GPU memory to encode versions for other hosts (%s); they are snapshot and "
+                        "encoded on the CPU from now on (publisher.gpu_encode=false says so up front)", exc)  # fmt: skip
+            self.encoder = None
+            await self._to_host_from_cpu(version, slot, wait)
 
     async def _to_host_from_cpu(self, version: int, slot: int, wait: bool) -> None:
         assert self.host is not None and self.slots.whole is not None
@@ -337,7 +351,7 @@ class GpuPublisher:
         if self.host is not None and self._latest_slot is not None:
             if self.slots.whole is not None:
                 await self._to_host(version, self._latest_slot, wait=True)
-            else:
+            if self.slots.whole is None:  # several ranks rank 0 cannot map (or its mirror was given up): gathered
                 await self.host.flush(version, source)
             self._raise_error()
 

@@ -152,8 +152,7 @@ class DistributedGpuSlots:
         if self._checked or self.rank != 0 or not self.counts or self.local.device.type != "cuda":
             return self._mirror
         self._checked = True
-        here = host_key()
-        away = [r for r, (host, gpu) in enumerate(self._places) if host != here or gpu is None or local_device(gpu) is None]
+        away = self.unmappable(self._places, self.counts, host_key(), local_device)
         if away:
             log.warning("weights: ranks %s are not on this host or their GPUs are not visible to rank 0: the host "
                         "transport gets the versions gathered to rank 0", away)  # fmt: skip
@@ -161,6 +160,26 @@ class DistributedGpuSlots:
         self._mapper = IpcMapper()
         self._mirror = RankMirror(self.local, self._placed, self._sizes, self._remote)
         return self._mirror
+
+    @staticmethod
+    def unmappable(places: list[tuple[str, str | None]], counts: list[int], here: str,
+                   local: Callable[[str], int | None]) -> list[int]:  # fmt: skip
+        """The ranks with buckets whose GPU rank 0 cannot map: on another host (``places[r]``: host key, GPU UUID),
+        or not visible to it (``local``: UUID -> device index or None). Ranks without buckets (replicas) need none."""
+        return [r for r, ((host, gpu), n) in enumerate(zip(places, counts, strict=True))
+                if n and (host != here or gpu is None or local(gpu) is None)]  # fmt: skip
+
+    def drop_whole(self, reason: str) -> bool:
+        """Give the mirror up (it found no GPU memory, or could not map a rank's buffers): the host transport gets the
+        gathered weights from now on. False when there was none."""
+        if self._mirror is None:
+            return False
+        log.warning("weights: rank 0 stops copying the other ranks' slots for the host transport (%s); it gets the "
+                    "versions gathered to rank 0 from now on", reason)  # fmt: skip
+        self._mirror = None
+        if self._mapper is not None:
+            self._mapper.close()
+        return True
 
     def _remote(self, slot: int) -> list[torch.Tensor]:
         """The other ranks' buckets of ``slot`` in rank order, mapped in this process over CUDA IPC (kept mapped)."""

@@ -50,6 +50,10 @@ class GpuExport(Protocol):
         the GPU by :mod:`.gpu_encoder`): its own slots, rank 0's mirror of every rank's
         (:class:`~async_rl.weights.gpu_ranks.RankMirror`), or None (the host transport gets the gathered weights)."""
 
+    def drop_whole(self, reason: str) -> bool:
+        """Stop offering :attr:`whole` where it costs more than the slots (rank 0's mirror, which found no GPU memory or
+        could not map a rank's buffers): True when it was given up, False when there is nothing to give up."""
+
     def fill(self, slot: int, version: int, source: PieceSource) -> GpuFill: ...
 
     def manifest_parts(self, sums: list[int]) -> tuple[list[ManifestTensor], list[BucketEntry]]: ...
@@ -222,6 +226,10 @@ class GpuSlots:
     def whole(self) -> GpuSlots | None:
         """These slots hold whole versions (one rank's slots, all of its pieces)."""
         return self
+
+    def drop_whole(self, reason: str) -> bool:
+        """One rank's slots cost nothing more as a whole version: nothing to give up."""
+        return False
 
     def tensors(self, slot: int) -> list[Piece]:
         """The pieces as views of a filled slot (valid until the slot is filled again)."""

@@ -61,7 +61,7 @@ async def main() -> int:
             if not args.loop:
                 break
         torch.save({"version": fetched.version, "total_s": fetched.total_s, "transfer_s": fetched.transfer_s,
-                    "read": read, "opened": reader.mapper.opened,
+                    "read": read, "opened": reader.mapper.opened, "mapped": reader.mapper.mapped,
                     "tensors": {k: v.cpu() for k, v in fetched.tensors.items()}}, args.out)  # fmt: skip
         return 0
     except IpcUnavailable as exc:

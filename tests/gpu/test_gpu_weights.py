@@ -90,32 +90,38 @@ async def test_readers_in_other_processes_get_every_version_bit_for_bit(servers,
     await pub.aclose()
 
 
-async def test_a_reader_maps_each_slot_once_whatever_the_number_of_buckets(servers, names, redis_client, tmp_path):
-    """Versions of 100 buckets (more than OPEN_CACHE_SIZE handles over two slots): a reader following them, as a
-    generator does, maps each slot's buckets once, not every version again."""
+async def test_a_reader_maps_each_slot_once_and_lets_a_restarted_learner_s_go(servers, names, redis_client, tmp_path):
+    """Versions of 100 buckets (two slots: 200 handles): a reader following them, as a generator does, maps each slot's
+    buckets once, not every version again; after the learner restarts with new buffers, the old ones are unmapped
+    once they are four versions behind (a mapping would keep the dead learner's memory)."""
     cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=64 << 10)
-    pub = GpuPublisher(redis_client, names, cfg, local_slots("cuda:0", cfg))
-    await pub.clean()
 
     def weights(seed: int) -> dict[str, torch.Tensor]:  # 100 tensors of 64 KiB in bf16: a bucket each
         g = torch.Generator(device="cuda").manual_seed(seed)
         return {f"model.layers.{i}.w": torch.randn(32768, generator=g, device="cuda") for i in range(100)}
 
+    pub = GpuPublisher(redis_client, names, cfg, local_slots("cuda:0", cfg))
+    await pub.clean()
     w = weights(1)
     await pub.flush(1, lambda: w.items())
     out = tmp_path / "last.pt"
-    proc = _reader(servers, names, _devices()[-1], out, "--until", "6")
+    proc = _reader(servers, names, _devices()[-1], out, "--until", "10")
     assert proc.stdout is not None
-    for version in range(2, 7):
+    for version in range(2, 11):
         line = await asyncio.to_thread(proc.stdout.readline)  # the reader took the version before
         assert line.startswith(f"read v{version - 1} "), (line, proc.stderr.read() if not line and proc.stderr else "")
+        if version == 7:  # the learner restarts: new slots, new buffers
+            await pub.aclose()
+            pub = GpuPublisher(redis_client, names, cfg, local_slots("cuda:0", cfg))
+            await pub.clean()
         w = weights(version)
         await pub.flush(version, lambda w=w: w.items())
     _, err = await asyncio.to_thread(proc.communicate, timeout=120)
     assert proc.returncode == 0, err
-    got = _check(out, 6, w)
-    assert got["read"] == [1, 2, 3, 4, 5, 6], got["read"]  # both slots, each again and again
-    assert got["opened"] == 200, got["opened"]  # 2 slots x 100 buckets, each mapped once
+    got = _check(out, 10, w)
+    assert got["read"] == list(range(1, 11)), got["read"]
+    assert got["opened"] == 400, got["opened"]  # 2 x 2 slots x 100 buckets, each mapped once
+    assert got["mapped"] == 200, got["mapped"]  # the first learner's unmapped
     await pub.aclose()
 
 

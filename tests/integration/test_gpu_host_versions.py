@@ -6,6 +6,7 @@ builds the newest, and several ranks' slots mirrored on rank 0 go out as one ver
 
 from __future__ import annotations
 
+import pytest
 import redis.asyncio as aioredis
 import torch
 
@@ -14,8 +15,10 @@ from async_rl.servers import ServerSet
 from async_rl.weights import WeightPublisher, WeightReader
 from async_rl.weights.background import BackgroundPublisher
 from async_rl.weights.config import PublisherConfig
+from async_rl.weights.cuda_ipc import IpcUnavailable
 from async_rl.weights.gpu_checksum import padded
 from async_rl.weights.gpu_publisher import GpuPublisher
+from async_rl.weights.gpu_ranks import RankMirror
 from async_rl.weights.gpu_slots import GpuSlots
 from async_rl.weights.redis_transport import RedisTransport
 from async_rl.weights.snapshot import Piece
@@ -98,21 +101,21 @@ async def test_host_versions_from_the_gpu_slots_apply_bit_for_bit(redis_client: 
         await host.aclose()
 
 
+def _rank_pieces(model: dict[str, torch.Tensor], rank: int) -> list[Piece]:
+    """Rank ``rank``'s pieces of two: uneven row slices of ``layer.w``, the other tensors on one rank each."""
+    w = model["layer.w"]
+    rows = slice(0, 24) if rank == 0 else slice(24, 64)
+    own = [Piece("layer.w", w[rows], tuple(w.shape), 0, rows.start)]
+    return own + ([Piece("embed", model["embed"])] if rank == 0 else
+                  [Piece("norm", model["norm"]), Piece("count", model["count"])])  # fmt: skip
+
+
 async def test_every_rank_s_slot_mirrored_on_rank_0_goes_out_bit_for_bit(redis_client: aioredis.Redis,
                                                                          servers: ServerSet, names: Names) -> None:  # fmt: skip
     """Two ranks' slots (uneven row slices of one tensor, the other tensors on one rank each) as one version on rank
     0 (RankMirror: on a GPU the other rank's buckets are mapped over CUDA IPC; here they are that rank's own CPU
-    buffers), encoded for the host transport: a reader applies the full tensors, deltas included, and rank 1's slot
-    changing after the encode does not change what went out; the CPU path gets the tensors joined."""
-    from async_rl.weights.gpu_ranks import RankMirror
-
-    def pieces(model: dict[str, torch.Tensor], rank: int) -> list[Piece]:
-        w = model["layer.w"]
-        rows = slice(0, 24) if rank == 0 else slice(24, 64)
-        own = [Piece("layer.w", w[rows], tuple(w.shape), 0, rows.start)]
-        return own + ([Piece("embed", model["embed"])] if rank == 0 else
-                      [Piece("norm", model["norm"]), Piece("count", model["count"])])  # fmt: skip
-
+    buffers), encoded for the host transport: a reader applies the full tensors, deltas included; the CPU path gets
+    the tensors joined."""
     cfg = PublisherConfig(bucket_bytes=16 << 10, gpu_dtype="bfloat16")
     host = BackgroundPublisher(WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names, cfg))
     encoder = GpuPublisher(redis_client, names, cfg, GpuSlots("cpu"), host=host).encoder
@@ -126,7 +129,7 @@ async def test_every_rank_s_slot_mirrored_on_rank_0_goes_out_bit_for_bit(redis_c
                 model = _train(model, version)
             slot = version % 2
             for r, rank_slots in enumerate(ranks):
-                rank_slots.fill(slot, version, pieces(model, r)).wait()
+                rank_slots.fill(slot, version, _rank_pieces(model, r)).wait()
             if mirror is None:
                 mirror = RankMirror(ranks[0], [s.placed for s in ranks], [s.bucket_sizes for s in ranks],
                                     lambda slot: ranks[1].buffers(slot))  # fmt: skip
@@ -138,10 +141,7 @@ async def test_every_rank_s_slot_mirrored_on_rank_0_goes_out_bit_for_bit(redis_c
 
             def encode(full: bool, base: int, link: float | None, slot: int = slot, version: int = version,
                        mirror: RankMirror = mirror):  # type: ignore[no-untyped-def]  # fmt: skip
-                enc = encoder.encode(mirror, slot, version, full=full, base_version=base, link_bytes_per_s=link)
-                for b in ranks[1].buffers(slot):
-                    b.fill_(7)  # rank 1 moves on: what was encoded is the mirror's copy
-                return enc
+                return encoder.encode(mirror, slot, version, full=full, base_version=base, link_bytes_per_s=link)
 
             await host.flush(version, encode=encode)
             got = await reader.fetch(version, held)
@@ -188,4 +188,43 @@ async def test_an_encoder_without_gpu_memory_hands_over_to_the_cpu_path(redis_cl
     assert gpu.encoder is None and gpu._error is None and host.published_version == 0
     got = await WeightReader(redis_client, RedisTransport(servers.redis_url, names), names).fetch(0)
     assert got.manifest.checksum == "xxh3_64" and _same(got.tensors, model)
+    await host.aclose()
+
+
+@pytest.mark.parametrize("failure", [
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    IpcUnavailable("cannot map the learner's GPU buffer: invalid device context"),
+])  # fmt: skip
+async def test_a_mirror_that_fails_hands_the_host_back_to_the_gathered_weights(redis_client: aioredis.Redis,
+                                                                               servers: ServerSet, names: Names,
+                                                                               failure: Exception) -> None:  # fmt: skip
+    """Rank 0's copies of the other ranks' slots find no GPU memory, or a rank's buffers cannot be mapped: the mirror
+    (and the encoder's base) is given up and the learner goes on, the host transport fed the gathered weights from
+    the next step boundary (GpuPublisher.offer); nothing fails."""
+
+    class Mirrored:  # rank 0's face of two ranks' slots, as far as the hand-over to the host publisher sees it
+        num_slots = 2
+
+        def __init__(self, mirror: RankMirror) -> None:
+            self.whole: RankMirror | None = mirror
+
+        def drop_whole(self, reason: str) -> bool:
+            dropped, self.whole = self.whole is not None, None
+            return dropped
+
+    def remote(slot: int) -> list[torch.Tensor]:
+        raise failure
+
+    ranks = [GpuSlots("cpu", num_slots=2, bucket_bytes=1 << 14, dtype=torch.bfloat16, rank=r) for r in range(2)]
+    model = _model()
+    for r, rank_slots in enumerate(ranks):
+        rank_slots.fill(0, 0, _rank_pieces(model, r)).wait()
+    export = Mirrored(RankMirror(ranks[0], [s.placed for s in ranks], [s.bucket_sizes for s in ranks], remote))
+    cfg = PublisherConfig(bucket_bytes=16 << 10)
+    host = BackgroundPublisher(WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names, cfg))
+    gpu = GpuPublisher(redis_client, names, cfg, export, host=host)  # type: ignore[arg-type]
+    assert gpu.encoder is not None
+    await gpu._to_host(0, 0)  # what a commit hands over when the host publisher is idle
+    assert export.whole is None and gpu.encoder is None and gpu._error is None
+    assert host.published_version == -1 and host.inflight_version is None and not gpu._held
     await host.aclose()

@@ -73,3 +73,13 @@ def test_two_ranks_publish_one_version_without_a_gather(tmp_path) -> None:  # ty
     out = tmp_path / "ok"
     mp.spawn(_rank, args=(port, str(out)), nprocs=2)
     assert out.read_text() == "ok"
+
+
+def test_rank_0_mirrors_only_ranks_it_can_map() -> None:
+    here, gpus = "host-a", {"gpu-0": 0, "gpu-1": 1}
+    places = [("host-a", "gpu-0"), ("host-a", "gpu-1"), ("host-b", "gpu-9"), ("host-a", "gpu-7"), ("host-a", None)]
+    counts = [3, 2, 2, 1, 1]
+    assert DistributedGpuSlots.unmappable(places, counts, here, gpus.get) == [2, 3, 4]  # another host, unseen, no GPU
+    assert DistributedGpuSlots.unmappable(places[:2], counts[:2], here, gpus.get) == []
+    # Replicas publish nothing: where they run does not matter (data parallel across hosts).
+    assert DistributedGpuSlots.unmappable(places, [3, 2, 0, 0, 0], here, gpus.get) == []

@@ -210,6 +210,9 @@ class MegatronGpuExport:
     def whole(self) -> WholeVersion | None:
         return self.slots.whole  # one rank: its slots; several: rank 0's mirror of every rank's (or None)
 
+    def drop_whole(self, reason: str) -> bool:
+        return self.slots.drop_whole(reason)
+
     def fill(self, slot: int, version: int, source: PieceSource) -> GpuFill:
         """Every rank copies its own pieces (``source``, the gathered export, is not used)."""
         return self.backend.gpu_fill(slot, version)
