@@ -44,11 +44,14 @@ def _seen_groups(run_dir: Path) -> tuple[int, set[str]]:
 
 
 def test_reward_improves(procs: Procs) -> None:
-    """Threshold: the mean reward of the last 5 of 60 steps beats the first 5 by 0.1 (random init starts near 0.04).
+    """Threshold: the reward rises through the 60 steps (rank correlation with the step > 0.6) and the mean of the
+    last 5 beats the first 5 by 0.05 (random init starts near 0.04).
 
     32 groups x 8 samples per step. The reward is strict positional credit (1.0 only for the exact answer): the
-    quickstart's recipe went 0.04 -> 0.24 in 60 steps here (tests/integration/test_recipe.py), so +0.1 leaves room
-    for staleness and noise while still failing when nothing is learned."""
+    quickstart's recipe went 0.04 -> 0.24 in 60 steps here (tests/integration/test_recipe.py), but on a loaded 2-core
+    machine one CI run rose steadily only to 0.14 (+0.095, rank correlation 0.95). Without learning, 256 samples
+    a step keep the step means within about 0.01 of each other and the rank correlation near 0 (sd 0.13 over 60
+    steps), so both thresholds still fail when nothing is learned."""
     STEPS = 60  # noqa: N806
     procs.learner(f"max_steps={STEPS}", "batch_groups=32")
     procs.generator("gen-0")
@@ -58,7 +61,9 @@ def test_reward_improves(procs: Procs) -> None:
     rewards = [r["reward"] for r in procs.metrics()]
     assert len(rewards) == STEPS
     first, last = float(np.mean(rewards[:5])), float(np.mean(rewards[-5:]))
-    assert last > first + 0.1, f"reward did not improve: first {first:.3f} last {last:.3f}\n{rewards}"
+    trend = float(np.corrcoef(np.arange(STEPS), np.argsort(np.argsort(rewards)))[0, 1])  # Spearman: ranks' Pearson
+    assert last > first + 0.05 and trend > 0.6, (
+        f"reward did not improve: first {first:.3f} last {last:.3f} rank correlation {trend:.2f}\n{rewards}")
     versions = [r["published_version"] for r in procs.metrics()]
     assert versions[-1] == STEPS  # published every step
 
