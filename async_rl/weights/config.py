@@ -9,10 +9,10 @@ from async_rl.checksums import CHECKSUMS
 from async_rl.weights.transport import MAX_BUCKET_BYTES
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+"""dtypes a GPU-held version may be published in (names of async_rl.weights.manifest.DTYPES)."""
 MAX_GPU_SLOTS = 4
 """Most versions a learner keeps in GPU buffers (``publisher.gpu_slots``): readers keep this many versions' buffers
 mapped (:data:`async_rl.weights.cuda_ipc.VERSIONS_KEPT`)."""
-"""dtypes a GPU-held version may be published in (names of async_rl.weights.manifest.DTYPES)."""
 # zstd's highest compression level (the zstandard package is not imported here: configs stay light).
 ZSTD_MAX_LEVEL = 22
 
