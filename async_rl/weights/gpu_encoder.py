@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,17 +117,23 @@ class GpuEncoder:
 
     def _encode(self, slots: WholeVersion, slot: int, version: int, full: bool, base_version: int,
                 link: float | None, cuda: bool) -> EncodedVersion:  # fmt: skip
-        placed, bufs = slots.placed, slots.buffers(slot)
-        regions = [bufs[x.bucket][x.offset : x.offset + x.nbytes] for x in placed]
+        placed = slots.placed
         reason = "asked for full"
         if not full and (self._base is None or self.base_version != base_version or base_version < 0):
             full, reason = True, f"no base v{base_version} on the GPU (it holds v{self.base_version})"
-        base = None if full or self._base is None else [self._base[x.bucket][x.offset : x.offset + x.nbytes] for x in placed]
-        counted = [wsum64_region(bufs[x.bucket], x.offset, x.nbytes) for x in placed]
-        if base is not None:
-            counted += [torch.count_nonzero(_ints(new, x.dtype.itemsize) != _ints(old, x.dtype.itemsize))
-                        for x, new, old in zip(placed, regions, base, strict=True)]  # fmt: skip
-        host = torch.stack(counted).cpu().tolist() if counted else []  # the one wait before packing
+        use_base = not full and self._base is not None
+        # One pass over the buckets (each read once, in order): every piece's checksum and, against the base, how many
+        # of its elements changed.
+        sums_q, counts_q = [], []
+        read = _Buckets(slots.bucket_reader(slot))
+        for x in placed:
+            buf = read.get(x.bucket, x.nbytes)
+            sums_q.append(wsum64_region(buf, x.offset, x.nbytes))
+            if use_base:
+                assert self._base is not None
+                new, old = buf[x.offset : x.offset + x.nbytes], self._base[x.bucket][x.offset : x.offset + x.nbytes]
+                counts_q.append(torch.count_nonzero(_ints(new, x.dtype.itemsize) != _ints(old, x.dtype.itemsize)))
+        host = torch.stack(sums_q + counts_q).cpu().tolist() if sums_q else []  # the one wait before packing
         piece_sums = [to_unsigned(s) for s in host[: len(placed)]]
         changed = host[len(placed) :]
         full_bytes = sum(x.nbytes for x in placed)
@@ -134,7 +141,7 @@ class GpuEncoder:
         encodings = ["raw"] * len(placed)
         sizes = [x.nbytes for x in placed]
         changed_frac = 1.0
-        if base is not None:
+        if use_base:
             changed_frac = sum(changed) / max(numel, 1)
             for i, (x, k) in enumerate(zip(placed, changed, strict=True)):
                 if k == 0:
@@ -145,28 +152,29 @@ class GpuEncoder:
             faster, why = _delta_faster(sum(sizes), rebuilt, full_bytes, link)
             reason = f"{changed_frac:.1%} of the elements changed: {why}"
             if not faster:
-                encodings, sizes, base = ["raw"] * len(placed), [x.nbytes for x in placed], None
+                encodings, sizes, use_base = ["raw"] * len(placed), [x.nbytes for x in placed], False
         places, bucket_sizes = plan_sizes(sizes, self.bucket_bytes)
-        packed = self._pack(version, placed, regions, base, changed if base is not None else [], encodings, places,
-                            bucket_sizes, cuda)  # fmt: skip
-        self._keep_base(bufs)  # queued on the same stream, before the one wait below
+        keep = self._base_for(slots)  # the version being encoded becomes the base of the next delta, bucket by bucket
+        self.base_version = -1  # until every bucket of it is in the base
+        read = _Buckets(slots.bucket_reader(slot), keep)
+        packed = self._pack(version, placed, read, self._base if use_base else None, changed if use_base else [],
+                            encodings, places, bucket_sizes, slots.device, cuda)  # fmt: skip
         sums = [to_unsigned(s) for s in packed.cpu().tolist()]  # the buckets in host memory, the base moved
-        if self._base is not None:
+        if keep is not None:
             self.base_version = version
         tensors = [
             ManifestTensor(x.name, DTYPE_NAMES[x.dtype], x.full_shape, [
                 PieceEntry(b, o, n, s, x.dim if x.length >= 0 else 0, x.start if x.length >= 0 else 0, x.length, e)])
             for x, (b, o), n, s, e in zip(placed, places, sizes, piece_sums, encodings, strict=True)
         ]  # fmt: skip
-        kind = "delta" if base is not None else "full"
-        return EncodedVersion(version, kind, base_version if base is not None else -1, tensors,
+        kind = "delta" if use_base else "full"
+        return EncodedVersion(version, kind, base_version if use_base else -1, tensors,
                               [self._host[i][: padded(n)].numpy().data for i, n in enumerate(bucket_sizes)], sums,
                               full_bytes, 0.0, changed_frac, reason)  # fmt: skip
 
-    def _pack(self, version, placed, regions, base, changed, encodings, places, bucket_sizes, cuda) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def _pack(self, version, placed, read, base, changed, encodings, places, bucket_sizes, device, cuda) -> torch.Tensor:  # type: ignore[no-untyped-def]
         """Each bucket packed in the GPU buffer, checksummed, copied to its pinned buffer (queued, nothing waits); the
-        bucket checksums (int64, on the GPU)."""
-        device = regions[0].device if regions else torch.device("cpu")
+        bucket checksums (int64, on the GPU). The slot's buckets are read in order (``read``), each once."""
         largest = padded(max(bucket_sizes, default=0))
         if self._staging is None or self._staging.numel() < largest:
             self._staging = None
@@ -185,12 +193,13 @@ class GpuEncoder:
             out.zero_()  # the gaps between payloads: deterministic bytes under the checksum
             for j in by_bucket[i]:
                 x, offset = placed[j], places[j][1]
+                region = read.get(x.bucket, x.nbytes)[x.offset : x.offset + x.nbytes]
                 if encodings[j] == "raw":
-                    out[offset : offset + x.nbytes].copy_(regions[j])
+                    out[offset : offset + x.nbytes].copy_(region)
                     continue
                 itemsize, k = x.dtype.itemsize, changed[j]
-                new = _ints(regions[j], itemsize)
-                index = (new != _ints(base[j], itemsize)).nonzero().view(-1)
+                new = _ints(region, itemsize)
+                index = (new != _ints(base[x.bucket][x.offset : x.offset + x.nbytes], itemsize)).nonzero().view(-1)
                 if index.numel() != k:  # the slot changed under the encoder: a bug, never a wrong delta
                     raise RuntimeError(f"weights v{version}: {x.name!r} changed while it was encoded")
                 _ints(out[offset : offset + k * itemsize], itemsize).copy_(new[index])
@@ -198,23 +207,58 @@ class GpuEncoder:
                 out[at : at + k * SPARSE_INDEX_BYTES].view(torch.int32).copy_(index)
             sums.append(wsum64(out))
             self._host[i][: padded(n)].copy_(out, non_blocking=cuda)  # the next bucket's packing waits for it (one stream)
+        read.finish()  # the buckets no piece was packed from hold no change: the base has them already
         return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64, device=device)
 
-    def _keep_base(self, bufs: list[torch.Tensor]) -> None:
-        """The version being encoded becomes the base of the next delta (a GPU copy, in the slots' layout, queued)."""
+    def _base_for(self, slots: WholeVersion) -> list[torch.Tensor] | None:
+        """The base's buckets, allocated in the slots' layout the first time (None: deltas are off, or no GPU memory
+        for them)."""
         if not self.delta:
-            return
-        if self._base is None or [b.numel() for b in self._base] != [b.numel() for b in bufs]:
+            return None
+        sizes = slots.bucket_nbytes
+        if self._base is None or [b.numel() for b in self._base] != sizes:
             self._base = None
             try:
-                self._base = [torch.empty_like(b) for b in bufs]
+                self._base = [torch.empty(n, dtype=torch.uint8, device=slots.device) for n in sizes]
             except torch.cuda.OutOfMemoryError:
                 log.warning("weights: no GPU memory for the base of host deltas (%.1f GB): versions for other hosts go "
-                            "out full (publisher.delta=false says so up front)", sum(b.numel() for b in bufs) / 1e9)  # fmt: skip
+                            "out full (publisher.delta=false says so up front)", sum(sizes) / 1e9)  # fmt: skip
                 self.delta, self.base_version = False, -1
-                return
-        for dst, src in zip(self._base, bufs, strict=True):
-            dst.copy_(src)
+                return None
+        return self._base
+
+
+class _Buckets:
+    """A slot's buckets read in order, one at a time (:meth:`WholeVersion.bucket_reader`); with ``keep``, each bucket
+    read is copied into the base once the reading moves past it (a bucket is never read again after that)."""
+
+    def __init__(self, reader: Callable[[int], torch.Tensor], keep: list[torch.Tensor] | None = None) -> None:
+        self.reader, self.keep = reader, keep
+        self.index = -1
+        self.buf: torch.Tensor | None = None
+        self.seen: set[int] = set()
+
+    def get(self, index: int, nbytes: int) -> torch.Tensor:
+        """Bucket ``index`` (for an empty piece, whichever bucket is at hand: none of its bytes are read)."""
+        if self.buf is not None and (index == self.index or nbytes == 0):
+            return self.buf
+        if index in self.seen:
+            raise RuntimeError(f"weights: bucket {index} read again after the encoder moved past it")
+        self._leave()
+        buf = self.reader(index)
+        self.index, self.buf = index, buf
+        return buf
+
+    def _leave(self) -> None:
+        if self.buf is not None:
+            self.seen.add(self.index)
+            if self.keep is not None:
+                self.keep[self.index].copy_(self.buf)
+        self.index, self.buf = -1, None
+
+    def finish(self) -> None:
+        """The last bucket read moves to the base."""
+        self._leave()
 
 
 def _delta_faster(delta_bytes: int, rebuilt_bytes: int, full_bytes: int, link: float | None) -> tuple[bool, str]:

@@ -17,8 +17,9 @@ Rank 0 then has everything a manifest needs (:meth:`manifest_parts`, :meth:`hand
 **Other hosts** get the versions through the host transport, fed on rank 0 without a collective: when every rank is
 on rank 0's host and its GPU is visible there, :attr:`DistributedGpuSlots.whole` is a :class:`RankMirror`, every
 rank's slot as one whole version on rank 0's GPU (its own buckets as they are, the others' copied GPU to GPU over CUDA
-IPC, as any same-host reader does), which :mod:`.gpu_encoder` encodes as it does one rank's slots. The ranks train on
-meanwhile: the slot stays held until the copies are done. Ranks on other hosts: None, and the host transport gets
+IPC, as any same-host reader does, one bucket at a time into one reused buffer as the encoder reads them), which
+:mod:`.gpu_encoder` encodes as it does one rank's slots. The ranks train on meanwhile: the slot stays held until the
+copies are done. Ranks on other hosts: None, and the host transport gets
 the gathered weights (:mod:`.gpu_publisher`).
 """
 
@@ -42,14 +43,18 @@ log = logging.getLogger(__name__)
 
 class RankMirror:
     """Every rank's slot of a version as one whole version on rank 0's GPU (module docstring): rank 0's buckets as
-    they are, the other ranks' copied into one set of buckets reused from version to version."""
+    they are, each of the other ranks' copied into one reused buffer as the encoder reads it."""
 
     local: GpuSlots
     placed: list[Placed]
     """Every rank's pieces, bucket indices global (rank ``r``'s from ``sum(counts[:r])``)."""
     _sizes: list[list[int]]
     _remote: Callable[[int], list[torch.Tensor]]
+    _sources: dict[int, list[torch.Tensor]]
+    """Slot -> the other ranks' buckets of it, mapped once."""
+    _staging: torch.Tensor | None
     _copies: list[torch.Tensor] | None
+    """Every other rank's buckets at once (the host publisher's CPU path only)."""
 
     def __init__(self, local: GpuSlots, placed: list[list[Placed]], sizes: list[list[int]],
                  remote: Callable[[int], list[torch.Tensor]]) -> None:  # fmt: skip
@@ -61,7 +66,8 @@ class RankMirror:
         for rank_placed, rank_sizes in zip(placed, sizes, strict=True):
             self.placed += [dataclasses.replace(x, bucket=x.bucket + first) for x in rank_placed]
             first += len(rank_sizes)
-        self._copies = None
+        self._sources = {}
+        self._staging = self._copies = None
 
     @property
     def device(self) -> torch.device:
@@ -69,15 +75,46 @@ class RankMirror:
 
     @property
     def device_bytes(self) -> int:
-        """GPU bytes held by the copies of the other ranks' buckets."""
-        return sum(b.numel() for b in self._copies or [])
+        """GPU bytes held for the other ranks' buckets."""
+        held = [self._staging] if self._staging is not None else []
+        return sum(b.numel() for b in held + (self._copies or []))
+
+    @property
+    def bucket_nbytes(self) -> list[int]:
+        return [padded(n) for rank_sizes in self._sizes for n in rank_sizes]
+
+    def _others(self, slot: int) -> list[torch.Tensor]:
+        if slot not in self._sources:
+            self._sources[slot] = self._remote(slot)
+        return self._sources[slot]
+
+    def bucket_reader(self, slot: int) -> Callable[[int], torch.Tensor]:
+        """Bucket ``i`` of ``slot``: rank 0's as it is, another rank's copied GPU to GPU into the one reused buffer
+        (queued on the current stream; valid until the next call)."""
+        own, others = self.local.buffers(slot), self._others(slot)
+        largest = max((b.numel() for b in others), default=0)
+        if self._staging is None or self._staging.numel() < largest:
+            self._staging = None
+            self._staging = torch.empty(largest, dtype=torch.uint8, device=self.device)
+        staging = self._staging
+
+        def read(i: int) -> torch.Tensor:
+            if i < len(own):
+                return own[i]
+            src = others[i - len(own)]
+            dst = staging[: src.numel()]
+            dst.copy_(src, non_blocking=True)
+            return dst
+
+        return read
 
     def buffers(self, slot: int) -> list[torch.Tensor]:
-        """Every rank's buckets of ``slot`` on this GPU: the other ranks' copies are queued on the current stream."""
+        """Every rank's buckets of ``slot`` on this GPU at once (copies of the other ranks', queued on the current
+        stream): what the CPU path snapshots."""
         if self._copies is None:
             self._copies = [torch.empty(padded(n), dtype=torch.uint8, device=self.device)
                             for rank_sizes in self._sizes[1:] for n in rank_sizes]  # fmt: skip
-        for dst, src in zip(self._copies, self._remote(slot), strict=True):
+        for dst, src in zip(self._copies, self._others(slot), strict=True):
             dst.copy_(src, non_blocking=True)
         return list(self.local.buffers(slot)) + self._copies
 

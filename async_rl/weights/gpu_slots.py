@@ -73,10 +73,16 @@ class WholeVersion(Protocol):
     @property
     def placed(self) -> list[Placed]: ...
 
-    def buffers(self, slot: int) -> list[torch.Tensor]:
-        """The slot's buckets on :attr:`device` (flat uint8, padded), ready for work queued on the current stream."""
+    @property
+    def bucket_nbytes(self) -> list[int]:
+        """Each bucket's size (padded), in :attr:`placed`'s bucket numbering."""
 
-    def tensors(self, slot: int) -> list[Piece]: ...
+    def bucket_reader(self, slot: int) -> Callable[[int], torch.Tensor]:
+        """A function giving bucket ``i`` of ``slot`` on :attr:`device` (flat uint8, padded), ready for work queued
+        on the current stream after the call, and valid until the next call (buckets read one at a time, in order)."""
+
+    def tensors(self, slot: int) -> list[Piece]:
+        """The version's pieces of ``slot`` on :attr:`device` (for the host publisher's CPU path)."""
 
 
 @dataclass(slots=True)
@@ -230,6 +236,13 @@ class GpuSlots:
     def drop_whole(self, reason: str) -> bool:
         """One rank's slots cost nothing more as a whole version: nothing to give up."""
         return False
+
+    @property
+    def bucket_nbytes(self) -> list[int]:
+        return [padded(n) for n in self.bucket_sizes]
+
+    def bucket_reader(self, slot: int) -> Callable[[int], torch.Tensor]:
+        return self.buffers(slot).__getitem__
 
     def tensors(self, slot: int) -> list[Piece]:
         """The pieces as views of a filled slot (valid until the slot is filled again)."""
