@@ -16,7 +16,10 @@ A version goes out as a delta only when that is faster than sending it whole at 
 readers' rebuild of the pieces that changed (:data:`REBUILD_BYTES_PER_S`). The host plans the buckets from the GPU's
 per-piece change counts (one small copy) and hands the pinned buckets to the transport: it never hashes, compresses or
 copies a full version. One bucket at a time is packed in a reused GPU buffer, checksummed and copied to its pinned
-buffer; pinned buffers are reused from version to version (valid until the next :meth:`GpuEncoder.encode`).
+buffer; pinned buffers are reused from version to version (valid until the next :meth:`GpuEncoder.encode`). The slot's
+own buckets are read in order, each once a pass (:meth:`~async_rl.weights.gpu_slots.WholeVersion.bucket_reader`), so a
+version held on several GPUs (rank 0's mirror of every rank's slot) needs room here for one of its buckets only, and
+the base moves bucket by bucket as the packing passes them.
 """
 
 from __future__ import annotations
