@@ -60,8 +60,8 @@ class PublisherConfig:
     """With the GPU path on, also publish versions through the host transport (as many as it sustains, never
     blocking a step) for generators on other hosts or that cannot map the learner's GPU."""
     gpu_encode: bool = True
-    """With the GPU path on and the whole version in one rank's slots: the host transport's versions are encoded on
-    the GPU (a delta of the changed elements where that is faster at the link's measured rate, checksums there too;
+    """With the GPU path on (one rank's slots, or every rank's on rank 0's host): the host transport's versions are
+    encoded on the GPU (a delta of the changed elements where that is faster at the link's measured rate, checksums there too;
     async_rl/weights/gpu_encoder.py). It keeps one more copy of the weights on the GPU, the base of the next delta,
     when ``delta`` is on. False: they are snapshot to host memory and encoded on the CPU (XOR + zstd)."""
     link_gbps: float = 0.0

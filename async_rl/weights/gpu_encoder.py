@@ -35,7 +35,7 @@ import torch
 from async_rl.weights.delta import SPARSE_INDEX_BYTES, sparse_nbytes
 from async_rl.weights.gpu_checksum import padded, to_unsigned, wsum64, wsum64_region
 from async_rl.weights.gpu_slots import WholeVersion
-from async_rl.weights.manifest import DTYPE_NAMES, ManifestTensor, PieceEntry, plan_sizes
+from async_rl.weights.manifest import ManifestTensor, plan_sizes
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +165,8 @@ class GpuEncoder:
         sums = [to_unsigned(s) for s in packed.cpu().tolist()]  # the buckets in host memory, the base moved
         if keep is not None:
             self.base_version = version
-        tensors = [
-            ManifestTensor(x.name, DTYPE_NAMES[x.dtype], x.full_shape, [
-                PieceEntry(b, o, n, s, x.dim if x.length >= 0 else 0, x.start if x.length >= 0 else 0, x.length, e)])
-            for x, (b, o), n, s, e in zip(placed, places, sizes, piece_sums, encodings, strict=True)
-        ]  # fmt: skip
+        tensors = [x.entry(b, o, n, s, e)
+                   for x, (b, o), n, s, e in zip(placed, places, sizes, piece_sums, encodings, strict=True)]
         kind = "delta" if use_base else "full"
         return EncodedVersion(version, kind, base_version if use_base else -1, tensors,
                               [self._host[i][: padded(n)].numpy().data for i, n in enumerate(bucket_sizes)], sums,

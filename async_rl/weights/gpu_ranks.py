@@ -260,7 +260,7 @@ class DistributedGpuSlots:
         buckets: list[BucketEntry] = []
         first = 0
         for r, (placed, sizes) in enumerate(zip(self._placed, self._sizes, strict=True)):
-            tensors_by_rank.append([x.entry(first, r) for x in placed])
+            tensors_by_rank.append([x.entry(first + x.bucket, x.offset, x.nbytes, rank=r) for x in placed])
             buckets += GpuSlots.bucket_entries(sizes, sums[first : first + len(sizes)], first)
             first += len(sizes)
         return merge_rank_tensors(tensors_by_rank), buckets

@@ -110,12 +110,14 @@ class Placed:
         """The piece in ``buffers`` as a :class:`Piece` (a view)."""
         return Piece(self.name, self.view(buffers), None if self.length < 0 else self.full_shape, self.dim, self.start)
 
-    def entry(self, first_bucket: int = 0, rank: int = 0) -> ManifestTensor:
-        """Its tensor in a manifest: this one ``raw`` piece (checksum 0: the bucket's covers it)."""
+    def entry(self, bucket: int, offset: int, nbytes: int, checksum: int = 0, encoding: str = "raw",
+              rank: int = 0) -> ManifestTensor:  # fmt: skip
+        """Its tensor in a manifest: this one piece, its payload of ``nbytes`` at ``offset`` in ``bucket`` (a ``raw``
+        piece where it lies in the slot: checksum 0, the bucket's covers it)."""
         sliced = self.length >= 0
         return ManifestTensor(self.name, DTYPE_NAMES[self.dtype], self.full_shape, [
-            PieceEntry(first_bucket + self.bucket, self.offset, self.nbytes, 0, self.dim if sliced else 0,
-                       self.start if sliced else 0, self.length, "raw", rank)])  # fmt: skip
+            PieceEntry(bucket, offset, nbytes, checksum, self.dim if sliced else 0, self.start if sliced else 0,
+                       self.length, encoding, rank)])  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -250,7 +252,7 @@ class GpuSlots:
 
     def manifest_parts(self, sums: list[int], first_bucket: int = 0) -> tuple[list[ManifestTensor], list[BucketEntry]]:
         """This rank's tensors (raw pieces; their checksum is the bucket's) and buckets, indices from ``first_bucket``."""
-        tensors = [x.entry(first_bucket, self.rank) for x in self.placed]
+        tensors = [x.entry(first_bucket + x.bucket, x.offset, x.nbytes, rank=self.rank) for x in self.placed]
         return tensors, self.bucket_entries(self.bucket_sizes, sums, first_bucket)
 
     @staticmethod
