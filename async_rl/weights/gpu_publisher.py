@@ -273,15 +273,12 @@ class GpuPublisher:
         self._held[slot] = self._held.get(slot, 0) + 1
         try:
             await self._to_host_from_slot(version, slot, wait)
-        except (torch.cuda.OutOfMemoryError, IpcUnavailable) as exc:
-            if self.slots.drop_whole(repr(exc)):  # rank 0's mirror: the gathered weights from the next offer on
-                self.encoder = None  # its base's memory back to training
+        except Exception as exc:
+            if isinstance(exc, torch.cuda.OutOfMemoryError | IpcUnavailable) and self.slots.drop_whole(repr(exc)):
+                self.encoder = None  # rank 0's mirror given up (the gathered weights from the next offer on), its base too
             else:
                 log.error("publishing weights v%d through the host transport failed: %r", version, exc)
                 self._error = exc
-        except Exception as exc:
-            log.error("publishing weights v%d through the host transport failed: %r", version, exc)
-            self._error = exc
         finally:
             self._held[slot] -= 1
             if not self._held[slot]:
