@@ -72,9 +72,12 @@ def test_learner_killed_at_random_points_loses_and_repeats_nothing(procs: Procs,
         for k in range(NUM_KILLS):
             name = f"learner-{k}"
             start = committed()
-            procs.wait_for(f"{name} to take a step", lambda s=start: committed() > s, timeout_s=120)
+            # Polled every 10 ms: at the default 250 ms a 30-40 ms step measured as 250 ms, the random delay below let
+            # a learner through ten steps or more, and one CI run reached max_steps before the last kill.
+            procs.wait_for(f"{name} to take a step", lambda s=start: committed() > s, timeout_s=120, interval_s=0.01)
             t0 = time.monotonic()
-            procs.wait_for(f"{name}'s next step", lambda s=start: committed() > s + 1, timeout_s=240)  # a restart imports torch: slow on a loaded 2-core box
+            procs.wait_for(f"{name}'s next step", lambda s=start: committed() > s + 1, timeout_s=240,
+                           interval_s=0.01)  # a restart imports torch: slow on a loaded 2-core box  # fmt: skip
             step_s = time.monotonic() - t0
             time.sleep(rng.uniform(0, 1.5 * step_s))  # anywhere in a step: reading, training, checkpoint, acks
             procs.stop(name, signal.SIGKILL)
