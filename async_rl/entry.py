@@ -1,4 +1,7 @@
-"""Shared plumbing of the process entry points: argument parsing, config loading, logging."""
+"""Shared plumbing of the process entry points: argument parsing, config loading, logging.
+
+May import: config, process, tasks.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-from async_rl.configurable import ConfigError, load_config, to_dict
+from async_rl.config.configurable import ConfigError, load_config, to_dict
 
 T = TypeVar("T")
 
@@ -31,7 +34,7 @@ class _KeysHelpParser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         if self.keys_cls is not None:
-            from async_rl.config_keys import keys_overview
+            from async_rl.config.keys import keys_overview
 
             self.epilog = (f"config keys, by section (KEY=VALUE, or [section] tables in --config):\n"
                            f"{keys_overview(self.keys_cls)}\n\n{self.prog} --help-keys lists each with its type, default "
@@ -58,7 +61,7 @@ def config_parser(prog: str, description: str, cls: type | None = None) -> argpa
 def public_config(cfg: Any) -> dict[str, Any]:
     """``to_dict(cfg)`` with the credentials of every URL field (``*_url``) redacted: what is printed, saved with
     the run and sent to wandb (passwords and tokens never are)."""
-    from async_rl.lifecycle import redact_url
+    from async_rl.process.lifecycle import redact_url
 
     def walk(d: Any) -> Any:
         if isinstance(d, dict):
@@ -71,7 +74,7 @@ def public_config(cfg: Any) -> dict[str, Any]:
 def parse_config(cls: type[T], args: argparse.Namespace, prog: str) -> T:
     """Load and validate the config; a mistake exits with a one-line message naming the field."""
     if getattr(args, "help_keys", False):
-        from async_rl.config_keys import render_keys
+        from async_rl.config.keys import render_keys
 
         print(render_keys(cls, prog))
         raise SystemExit(0)

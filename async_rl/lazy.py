@@ -3,6 +3,8 @@
 A package whose public face re-exports torch-heavy modules (``async_rl.algorithms``,
 ``async_rl.weights``) would otherwise import torch whenever any of its light submodules (the
 configs) is imported. Type checkers see the real imports under ``TYPE_CHECKING`` in the package.
+
+May import: nothing of async_rl.
 """
 
 from __future__ import annotations

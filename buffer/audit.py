@@ -27,7 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from async_rl.names import Names
+from async_rl.run.names import Names
 from async_rl.wire import WireError, decode_prompt
 from buffer.streams import check_client, sid
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from async_rl.names import Names
+from async_rl.run.names import Names
 from buffer.audit import Audit
 from buffer.streams import check_client, field_str
 

@@ -16,7 +16,7 @@ but would crash the backend or train on garbage, each with a :class:`EntryError`
 
 Whether the prompt id was issued and is still in flight is the run's other fact; the reader asks
 :mod:`buffer.audit` (one round trip per read). Nothing here imports torch: facts come from a
-transformers config through :mod:`async_rl.moe`, or are given directly.
+transformers config through :mod:`async_rl.model.moe`, or are given directly.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from async_rl.moe import moe_facts
-from async_rl.wire_types import GroupRecord
+from async_rl.model.moe import moe_facts
+from async_rl.wire.types import GroupRecord
 
 
 class EntryError(ValueError):
@@ -60,7 +60,7 @@ class ModelFacts:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelFacts:
-        """Facts of a transformers config (``vocab_size``, ``max_position_embeddings``, MoE via :mod:`async_rl.moe`)."""
+        """Facts of a transformers config (``vocab_size``, ``max_position_embeddings``, MoE via :mod:`async_rl.model.moe`)."""
         text = getattr(config, "text_config", None) or config
         moe = moe_facts(config)
         return cls(vocab_size=int(text.vocab_size), max_seq_len=int(text.max_position_embeddings),

@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
-from async_rl.names import Names
+from async_rl.run.names import Names
 from async_rl.wire import PromptSpec
 from buffer.audit import EVAL_FATES, Audit
 from buffer.prompts import PromptEntry, PromptQueue, PromptQueueConfig

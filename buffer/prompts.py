@@ -27,7 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from async_rl.names import Names
+from async_rl.run.names import Names
 from async_rl.wire import PromptSpec, WireError, decode_prompt, encode_prompt
 from buffer.audit import Audit
 from buffer.dead_letters import DeadLetters, DeadLettersConfig, error_line

@@ -19,9 +19,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from async_rl.names import Names
+from async_rl.run.names import Names
 from async_rl.wire import encode_group_into
-from async_rl.wire_types import GroupRecord
+from async_rl.wire.types import GroupRecord
 from buffer.streams import check_client, sid
 
 log = logging.getLogger(__name__)

@@ -33,9 +33,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from async_rl.names import Names
+from async_rl.run.names import Names
 from async_rl.wire import WireError, decode_group
-from async_rl.wire_types import GroupRecord
+from async_rl.wire.types import GroupRecord
 from buffer.audit import Audit
 from buffer.dead_letters import DeadLetters, DeadLettersConfig, error_line
 from buffer.entry_checks import EntryChecker, EntryError

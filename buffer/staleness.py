@@ -20,7 +20,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
-from async_rl.wire_types import GroupRecord
+from async_rl.wire.types import GroupRecord
 
 
 @dataclass(kw_only=True, slots=True)

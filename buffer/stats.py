@@ -7,7 +7,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from async_rl.names import Names
+from async_rl.run.names import Names
 from buffer.audit import Audit
 from buffer.dead_letters import DeadLetters
 from buffer.streams import check_client

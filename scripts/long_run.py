@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     import redis
 
     from actors.commands.quickstart import DEFAULT_LEARNER, GENERATOR_ARGS
-    from async_rl.names import Names
-    from async_rl.servers import ensure_servers
+    from async_rl.run.names import Names
+    from async_rl.servers.embedded import ensure_servers
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir: Path = args.run_dir or Path("runs") / f"long-run-{stamp}"
@@ -135,7 +135,7 @@ def _moving_average(x: np.ndarray, window: int) -> np.ndarray:
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    from async_rl.metrics import read_metrics
+    from async_rl.metrics.sinks import read_metrics
 
     by_step = {int(r["step"]): r for r in read_metrics(run_dir) if "step" in r}  # one row per committed step
     return [by_step[s] for s in sorted(by_step)]

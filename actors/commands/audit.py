@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from async_rl.entry import first_sentence
-from async_rl.run_config import RunConfig
+from async_rl.run.config import RunConfig
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
@@ -78,14 +78,14 @@ def main(argv: list[str] | None = None, prog: str = "async-rl audit") -> int:
     args = parse_args(argv, prog)
     from redis.exceptions import RedisError
 
-    from async_rl.reach import Unreachable, probe_redis
+    from async_rl.servers.reach import Unreachable, probe_redis
 
     try:
         probe_redis(args.run.redis_url)
     except Unreachable as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
-    from async_rl.runs import missing_run_at
+    from async_rl.run.listing import missing_run_at
 
     missing = missing_run_at(args.run.redis_url, args.run.prefix, key="--prefix")
     if missing is not None:  # nothing issued is not "every issued prompt is accounted for"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from async_rl.model_config import DTYPE_NAMES, PRESET_NAMES
+from async_rl.model.config import DTYPE_NAMES, PRESET_NAMES
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl init-model") -> int:
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl init-model") -> in
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     args = p.parse_args(argv)
-    from async_rl.models import save_pretrained_dir
+    from async_rl.model.presets import save_pretrained_dir
 
     out = save_pretrained_dir(args.out_dir, preset=args.preset, seed=args.seed, dtype=args.dtype,
                               tokenizer=args.tokenizer)  # fmt: skip

@@ -121,7 +121,7 @@ def validate_configs(args: argparse.Namespace) -> str | None:
     """Build the learner's and a generator's configs in-process, so a bad override fails before anything starts."""
     from actors.generator.config import GeneratorConfig
     from actors.learner.config import LearnerConfig
-    from async_rl.configurable import ConfigError, load_config
+    from async_rl.config.configurable import ConfigError, load_config
 
     urls = ["run.redis_url=redis://127.0.0.1:1/0", "run.nats_url=nats://127.0.0.1:1"]
     try:
@@ -207,10 +207,10 @@ async def _run(args: argparse.Namespace) -> int:
     from rich.live import Live
     from rich.table import Table
 
-    from async_rl.control import ControlPlane, Heartbeat, LearnerProgress, Message
-    from async_rl.metrics import read_metrics
-    from async_rl.names import Names
-    from async_rl.servers import ensure_servers
+    from async_rl.metrics.sinks import read_metrics
+    from async_rl.run.names import Names
+    from async_rl.servers.control import ControlPlane, Heartbeat, LearnerProgress, Message
+    from async_rl.servers.embedded import ensure_servers
 
     console = Console(stderr=True)
     error = validate_configs(args)

@@ -59,8 +59,8 @@ def _password(path: Path | None) -> str:
 
 def main(argv: list[str] | None = None, prog: str = "async-rl serve") -> int:
     args = parse_args(argv, prog)
-    from async_rl.lifecycle import StartupError, redact_url
-    from async_rl.servers import start_nats, start_redis
+    from async_rl.process.lifecycle import StartupError, redact_url
+    from async_rl.servers.embedded import start_nats, start_redis
 
     password = None if args.no_auth else _password(args.password_file)
     stop = threading.Event()

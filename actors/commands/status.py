@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from async_rl.entry import first_sentence
-from async_rl.run_config import RunConfig
+from async_rl.run.config import RunConfig
 from buffer.prompts import PromptQueueConfig
 
 STALENESS_NOTE = ("versions behind: the learner's version now minus the weights the generator sampled with at its "
@@ -102,7 +102,7 @@ async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) 
 
 def _registry(raw: dict[bytes, bytes]) -> dict[str, Any]:
     """The learner's registry of generators (id -> last heartbeat); entries that do not decode are skipped."""
-    from async_rl.control import Heartbeat, MessageError, decode
+    from async_rl.servers.control import Heartbeat, MessageError, decode
 
     out: dict[str, Any] = {}
     for value in raw.values():
@@ -116,10 +116,10 @@ def _registry(raw: dict[bytes, bytes]) -> dict[str, Any]:
 
 
 def _scaling(raw: Any) -> dict[str, Any] | None:
-    """The learner's latest scaling signal (async_rl.scaling) as plain data, or None before its first step."""
+    """The learner's latest scaling signal (async_rl.metrics.scaling) as plain data, or None before its first step."""
     import dataclasses
 
-    from async_rl.control import MessageError, ScalingSignal, decode
+    from async_rl.servers.control import MessageError, ScalingSignal, decode
 
     if not isinstance(raw, bytes):
         return None
@@ -202,7 +202,7 @@ async def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from async_rl.control import ControlPlane, Heartbeat, Message
+    from async_rl.servers.control import ControlPlane, Heartbeat, Message
 
     run: RunConfig = args.run
     heartbeats: dict[str, Any] = {}
@@ -236,14 +236,14 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, prog: str = "async-rl status") -> int:
     args = parse_args(argv, prog)
-    from async_rl.reach import Unreachable, check_servers
+    from async_rl.servers.reach import Unreachable, check_servers
 
     try:
         check_servers(args.run.redis_url, args.run.nats_url)
     except Unreachable as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
-    from async_rl.runs import missing_run_at
+    from async_rl.run.listing import missing_run_at
 
     missing = missing_run_at(args.run.redis_url, args.run.prefix, key="--prefix")
     if missing is not None:  # an empty table would read as a run that has not started; say what is there

@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from actors.generator.episodes import EpisodeConfig
-from async_rl.control import ControlPlaneConfig
-from async_rl.model_config import ModelConfig
-from async_rl.prom import PrometheusConfig
-from async_rl.run_config import RunConfig
-from async_rl.sampling import Sampling
+from async_rl.metrics.prometheus import PrometheusConfig
+from async_rl.model.config import ModelConfig
+from async_rl.run.config import RunConfig
+from async_rl.servers.control import ControlPlaneConfig
 from async_rl.tasks.config import TaskConfig
 from async_rl.weights.config import ReaderConfig
 from async_rl.weights.transport import TransportConfig
+from async_rl.wire.sampling import Sampling
 from buffer.prompts import PromptQueueConfig
 from buffer.rollout_writer import RolloutWriterConfig
 

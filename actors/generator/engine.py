@@ -38,7 +38,7 @@ class SamplingParams:
     seed: int | None = None
     """Seed for reproducible sampling (None: engine's own stream)."""
     mask_special_tokens: bool = True
-    """Never sample the engine model's masked token ids (:func:`async_rl.token_mask.masked_token_ids`)."""
+    """Never sample the engine model's masked token ids (:func:`async_rl.model.token_mask.masked_token_ids`)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -55,7 +55,7 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class Completion:
-    """One sampled response (see :mod:`async_rl.wire_types` for the alignment conventions)."""
+    """One sampled response (see :mod:`async_rl.wire.types` for the alignment conventions)."""
 
     token_ids: np.ndarray
     """int32 ``[R]``."""

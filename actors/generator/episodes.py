@@ -1,8 +1,8 @@
 """The generator's side of an episode of several turns: run it on the engine, return one sample.
 
 :func:`run_episode` alternates model turns (:meth:`Engine.generate` on the whole context so far, one
-sample) and environment steps (:meth:`async_rl.envs.Episode.step`), and assembles what the learner
-trains on as one :class:`~async_rl.wire_types.Sample`:
+sample) and environment steps (:meth:`async_rl.tasks.envs.Episode.step`), and assembles what the learner
+trains on as one :class:`~async_rl.wire.types.Sample`:
 
 * ``response_ids``: every token after the prompt, the model's and the environment's, in order;
 * ``loss_mask``: 1 on the model's tokens, 0 on the environment's (never in the loss);
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from async_rl.envs.base import EnvTask, as_tokens
-from async_rl.wire_types import Sample
+from async_rl.tasks.envs.base import EnvTask, as_tokens
+from async_rl.wire.types import Sample
 
 if TYPE_CHECKING:  # the generator's config imports EpisodeConfig from here before anything heavy
     from actors.generator.engine import Engine, SamplingParams

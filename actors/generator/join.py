@@ -1,11 +1,11 @@
 """Joining a run: checked before the engine is built or any weight fetched, so a wrong setting ends in seconds.
 
-- **The run exists** at this Redis and prefix (:mod:`async_rl.runs`). A generator may start before its learner,
+- **The run exists** at this Redis and prefix (:mod:`async_rl.run.listing`). A generator may start before its learner,
   so a prefix with no run is waited for, saying at once which runs the Redis holds (a typo is offered as "did you
   mean"); a prefix that lives in another database of the same server is a mistake, and the generator exits.
-- **The model matches the run's** (:mod:`async_rl.architecture`): the learner wrote its architecture into its
+- **The model matches the run's** (:mod:`async_rl.model.architecture`): the learner wrote its architecture into its
   state; a generator with another one (``small-moe`` against ``tiny-moe``) tells the learner
-  (:class:`~async_rl.control.JoinRefused`) and exits non-zero with one line naming the differences and the key to
+  (:class:`~async_rl.servers.control.JoinRefused`) and exits non-zero with one line naming the differences and the key to
   set, instead of refusing every version it fetches.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from async_rl import architecture as arch
-from async_rl.control import ControlPlane, JoinRefused
-from async_rl.lifecycle import StartupError
-from async_rl.runs import missing_run
+from async_rl.model import architecture as arch
+from async_rl.process.lifecycle import StartupError
+from async_rl.run.listing import missing_run
+from async_rl.servers.control import ControlPlane, JoinRefused
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
         print(f"{prog}: config error: run.redis_url and run.nats_url (or ASYNC_RL_REDIS_URL / ASYNC_RL_NATS_URL) "
               "are required: a generator joins an existing run", file=sys.stderr)  # fmt: skip
         return 2
-    from async_rl.reach import Unreachable, check_servers, describe_failure
+    from async_rl.servers.reach import Unreachable, check_servers, describe_failure
 
     try:  # before the engine is built: a server that is not there is named within seconds
         check_servers(cfg.run.redis_url, cfg.run.nats_url)
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
     import asyncio
 
     from actors.generator.process import Generator
-    from async_rl.lifecycle import StartupError, first_task_failure
+    from async_rl.process.lifecycle import StartupError, first_task_failure
 
     async def _run() -> None:
         gen = Generator(cfg, task=task)

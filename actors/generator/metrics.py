@@ -1,4 +1,4 @@
-"""A generator's Prometheus metrics (``prometheus.port``, off by default; :mod:`async_rl.prom`).
+"""A generator's Prometheus metrics (``prometheus.port``, off by default; :mod:`async_rl.metrics.prometheus`).
 
 Counters move with the work (prompts acked, tokens generated, heartbeats sent); gauges are refreshed on every
 heartbeat from the same numbers the heartbeat carries, plus the weight sync's last fetch time and the engine's
@@ -10,8 +10,8 @@ from __future__ import annotations
 from actors.generator.config import GeneratorConfig
 from actors.generator.engine import Engine
 from actors.generator.weight_sync import WeightSync
-from async_rl.control import Heartbeat
-from async_rl.prom import Exporter, Metric
+from async_rl.metrics.prometheus import Exporter, Metric
+from async_rl.servers.control import Heartbeat
 
 GENERATOR_METRICS: dict[str, Metric] = {
     "async_rl_generator_prompts_total": Metric("counter", "Prompts turned into a pushed group and acked."),

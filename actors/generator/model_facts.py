@@ -2,7 +2,7 @@
 
 The checkpoint's tensor names and shapes (the names :meth:`VLLMEngine.stage_weights` accepts, read from the
 safetensors headers: no weight is loaded), the vocabulary, the longest position, the head size (vLLM's CPU
-attention supports only some) and the MoE layout, which :mod:`async_rl.moe` owns (MoE layer indices,
+attention supports only some) and the MoE layout, which :mod:`async_rl.model.moe` owns (MoE layer indices,
 experts, top-k).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from async_rl.models import load_model_config
-from async_rl.moe import moe_facts
+from async_rl.model.moe import moe_facts
+from async_rl.model.presets import load_model_config
 
 
 @dataclass(frozen=True, slots=True)

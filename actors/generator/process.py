@@ -6,7 +6,7 @@ several turns per sample instead, :mod:`actors.generator.episodes`), ``heartbeat
 and the weight sync's own fetch/poll tasks. Control messages (pause/resume/drain/stop) and
 SIGTERM/SIGINT set events; shutdown has two phases: stop taking prompts and finish the batch
 in hand within ``drain_timeout_s``, then release whatever is still held so other generators
-take it at once. When the learner announces the end of the run (:mod:`async_rl.run_end`, on NATS and in
+take it at once. When the learner announces the end of the run (:mod:`async_rl.run.end`, on NATS and in
 Redis) the generator drains the same way and exits 0, unless ``on_run_end=wait``. A SIGKILL loses nothing either: the prompts stay pending in the consumer
 group and other generators reclaim them after ``prompts.reclaim_idle_ms``.
 """
@@ -31,19 +31,19 @@ from actors.generator.episodes import run_group
 from actors.generator.join import check_join
 from actors.generator.metrics import GeneratorMetrics
 from actors.generator.weight_sync import WeightSync
-from async_rl.control import Control, ControlPlane, Heartbeat, Message, RunEnded
-from async_rl.envs.base import EnvTask
-from async_rl.lifecycle import named_task, raise_if_cancel_requested, redact_url
-from async_rl.reach import redis_client
-from async_rl.repeated import RepeatedLine
-from async_rl.run_end import read_run_end
-from async_rl.sampling import Sampling
+from async_rl.process.lifecycle import named_task, raise_if_cancel_requested, redact_url
+from async_rl.process.repeated import RepeatedLine
+from async_rl.run.end import read_run_end
+from async_rl.servers.control import Control, ControlPlane, Heartbeat, Message, RunEnded
+from async_rl.servers.reach import redis_client
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
+from async_rl.tasks.envs.base import EnvTask
 from async_rl.weights import WeightReader
-from async_rl.weights.gpu_reader import GpuReader
+from async_rl.weights.gpu.reader import GpuReader
 from async_rl.weights.transport import make_transport
-from async_rl.wire_types import GroupRecord, Sample
+from async_rl.wire.sampling import Sampling
+from async_rl.wire.types import GroupRecord, Sample
 from buffer.evals import GREEDY_KEY, ROUND_KEY, EvalQueue, EvalResult
 from buffer.prompts import PromptEntry, PromptQueue
 from buffer.rollout_writer import RolloutWriter

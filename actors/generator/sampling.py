@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from actors.generator.engine import SamplingParams
-from async_rl.token_mask import mask_logits
+from async_rl.model.token_mask import mask_logits
 
 
 def sample_tokens(

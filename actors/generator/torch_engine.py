@@ -7,7 +7,7 @@ under that exact (renormalised) distribution. Greedy (temperature 0) reports the
 model logprob of the argmax token. Rows that finish stay in the batch until a quarter of it
 is done, then the batch and its KV cache are compacted.
 
-Routes: for MoE models every forward is recorded with :mod:`async_rl.hf_moe` hooks; a sample's
+Routes: for MoE models every forward is recorded with :mod:`async_rl.model.hf_routes` hooks; a sample's
 routes cover its prompt tokens and every response token that was fed back (not the last one),
 padding excluded, as ``uint8`` (``int16`` past 256 experts) ``[T_run, moe_layers, top_k]``.
 
@@ -38,10 +38,10 @@ from actors.generator.config import TorchEngineConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.sampling import sample_tokens
 from actors.generator.weight_swap import WeightSwap
-from async_rl.hf_moe import RouteRecorder, find_moe_layers
-from async_rl.models import cache_kwarg, load_model
-from async_rl.moe import route_dtype
-from async_rl.token_mask import masked_token_ids
+from async_rl.model.hf_routes import RouteRecorder, find_moe_layers
+from async_rl.model.moe import route_dtype
+from async_rl.model.presets import cache_kwarg, load_model
+from async_rl.model.token_mask import masked_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class TorchEngine(WeightSwap, Engine):
     _stop_ids: tuple[int, ...]
     _pad_id: int
     _masked_ids: torch.Tensor
-    """Token ids never sampled when ``params.mask_special_tokens`` (:func:`async_rl.token_mask.masked_token_ids`)."""
+    """Token ids never sampled when ``params.mask_special_tokens`` (:func:`async_rl.model.token_mask.masked_token_ids`)."""
     _max_positions: int
     _vocab_size: int
     _num_experts: int

@@ -51,8 +51,8 @@ from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.model_facts import ModelFacts, read_model_facts
 from actors.generator.vllm_args import build_vllm_args
 from actors.generator.weight_handover import pack_weights
-from async_rl.models import is_preset, load_model_config, save_pretrained_dir
-from async_rl.token_mask import MASKED_LOGIT, masked_token_ids
+from async_rl.model.presets import is_preset, load_model_config, save_pretrained_dir
+from async_rl.model.token_mask import MASKED_LOGIT, masked_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class VLLMEngine(Engine):
     _closed: bool
     _meta_model: Any
     _logit_bias: dict[int, float]
-    """The sampling mask as vLLM logit biases (:mod:`async_rl.token_mask`), applied when the prompt asks for it."""
+    """The sampling mask as vLLM logit biases (:mod:`async_rl.model.token_mask`), applied when the prompt asks for it."""
     """The HF model on the meta device (built on first use): maps in-memory names to checkpoint names."""
 
     def __init__(self, config: VLLMEngineConfig) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from actors.generator.weight_handover import Handle, map_weights
-from async_rl.moe import route_dtype
+from async_rl.model.moe import route_dtype
 
 ROUTE_CHUNK_TOKENS = 256
 """Per-request route buffers grow in steps of this many positions (a few KB each for small models)."""

@@ -21,7 +21,7 @@ too the publisher is asked for a full one (:meth:`WeightReader.request_full`), w
 comes. A generator that joins late or missed versions builds the newest from its full version plus the deltas
 after it.
 
-GPU-held versions (``gpu``: a :class:`~async_rl.weights.gpu_reader.GpuReader`, for a CUDA engine on the learner's
+GPU-held versions (``gpu``: a :class:`~async_rl.weights.gpu.reader.GpuReader`, for a CUDA engine on the learner's
 host): the sync follows ``weights:gpu:latest`` and the announcements with transport ``cuda`` as well, and takes
 such a version GPU to GPU in milliseconds. When this process cannot map the learner's buffers (another host or
 namespace, a device it cannot see) it says so once and follows the host transport's versions only; a GPU version
@@ -42,12 +42,12 @@ from redis.exceptions import RedisError
 
 from actors.generator.config import WeightSyncConfig
 from actors.generator.engine import Engine, StagingStream
-from async_rl.control import ControlPlane, Message, WeightsAnnounced
-from async_rl.lifecycle import raise_if_cancel_requested
-from async_rl.names import Names
+from async_rl.process.lifecycle import raise_if_cancel_requested
+from async_rl.run.names import Names
+from async_rl.servers.control import ControlPlane, Message, WeightsAnnounced
 from async_rl.weights import CorruptVersion, FetchedVersion, VersionUnavailable, WeightReader
-from async_rl.weights.cuda_ipc import IpcUnavailable
-from async_rl.weights.gpu_reader import GpuReader
+from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
+from async_rl.weights.gpu.reader import GpuReader
 from async_rl.weights.manifest import GPU_TRANSPORT, Manifest
 from async_rl.weights.reader import Sink, StreamOpener, WeightsError
 from async_rl.weights.transport import TransportError

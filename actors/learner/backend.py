@@ -25,8 +25,8 @@ import torch
 
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.weights.config import PublisherConfig
-from async_rl.weights.gpu_publisher import local_slots
-from async_rl.weights.gpu_slots import GpuExport
+from async_rl.weights.gpu.publisher import local_slots
+from async_rl.weights.gpu.slots import GpuExport
 
 REQUIRED_STEP_METRICS = ("loss", "grad_norm", "lr", "step_skipped", "num_micro_batches", "train_tokens_per_s")
 """Keys every backend's :meth:`TrainingBackend.train_step` reports in ``StepResult.metrics`` (besides the loss
@@ -92,7 +92,7 @@ class TrainingBackend(abc.ABC):
         return self.export_weights()
 
     def gpu_export(self, cfg: PublisherConfig) -> GpuExport | None:
-        """Where the GPU weight path keeps this learner's versions (:mod:`async_rl.weights.gpu_publisher`): GPU slots
+        """Where the GPU weight path keeps this learner's versions (:mod:`async_rl.weights.gpu.publisher`): GPU slots
         filled from :meth:`snapshot_source` when that is on a CUDA GPU; None otherwise. A multi-rank backend returns
         its ranks' own slots (each rank its own pieces)."""
         device = self.publish_device
@@ -101,7 +101,7 @@ class TrainingBackend(abc.ABC):
     @property
     def publish_device(self) -> str:
         """Where :meth:`snapshot_source`'s tensors live ('cpu', 'cuda:N'): from a CUDA GPU, versions are also kept in
-        GPU buffers that same-host generators copy over CUDA IPC (:mod:`async_rl.weights.gpu_publisher`)."""
+        GPU buffers that same-host generators copy over CUDA IPC (:mod:`async_rl.weights.gpu.publisher`)."""
         return "cpu"
 
     @abc.abstractmethod

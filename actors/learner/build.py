@@ -6,8 +6,8 @@ import dataclasses
 
 from actors.learner.backend import TrainingBackend
 from actors.learner.config import LearnerConfig
-from async_rl.models import load_model, load_model_config
-from async_rl.token_mask import masked_token_ids
+from async_rl.model.presets import load_model, load_model_config
+from async_rl.model.token_mask import masked_token_ids
 
 
 def build_backend(cfg: LearnerConfig) -> TrainingBackend:

@@ -9,16 +9,16 @@ from actors.learner.evaluation import EvalConfig
 from actors.learner.lr_schedule import LR_SCHEDULES, LrSchedule
 from actors.learner.megatron.config import MegatronConfig
 from async_rl.algorithms import AlgorithmConfig
-from async_rl.control import ControlPlaneConfig
-from async_rl.metrics import MetricsConfig
-from async_rl.model_config import DTYPE_NAMES, ModelConfig
-from async_rl.prom import PrometheusConfig
-from async_rl.run_config import RunConfig
-from async_rl.sampling import Sampling
-from async_rl.scaling import ScalingConfig
+from async_rl.metrics.prometheus import PrometheusConfig
+from async_rl.metrics.scaling import ScalingConfig
+from async_rl.metrics.sinks import MetricsConfig
+from async_rl.model.config import DTYPE_NAMES, ModelConfig
+from async_rl.run.config import RunConfig
+from async_rl.servers.control import ControlPlaneConfig
 from async_rl.tasks.config import TaskConfig
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.transport import TransportConfig
+from async_rl.wire.sampling import Sampling
 from buffer.prompts import PromptQueueConfig
 from buffer.rollouts import RolloutReaderConfig
 from buffer.staleness import StalenessConfig
@@ -81,15 +81,15 @@ class TorchBackendConfig:
     """Sampling temperature of the generators: logits are divided by it so logprobs match the behaviour ones."""
     masked_token_ids: tuple[int, ...] = ()
     """Token ids whose logits are masked before the softmax, as the generators mask them (set from
-    ``sampling.mask_special_tokens`` and :func:`async_rl.token_mask.masked_token_ids` of the model)."""
+    ``sampling.mask_special_tokens`` and :func:`async_rl.model.token_mask.masked_token_ids` of the model)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (routes are replayed in the recompute too)."""
     logprob_chunk_tokens: int = 4096
     """Logprobs (and entropy) from the last hidden states and the LM head this many tokens at a time, never
-    the full fp32 logits ``[tokens, vocab]`` (``async_rl/chunked_logprobs.py``); padding gets no logits at all.
+    the full fp32 logits ``[tokens, vocab]`` (``async_rl/logprobs/chunked.py``); padding gets no logits at all.
     0: the model's full logits. Models whose logits are more than a bias-free linear head of the last hidden
     states (a logit scale or soft-cap) always take the full logits. On CUDA both go through the fused kernels of
-    ``async_rl/logit_stats.py``; there the chunks cost the head's matmul once more in backward (on the Qwen3-30B-A3B
+    ``async_rl/logprobs/stats.py``; there the chunks cost the head's matmul once more in backward (on the Qwen3-30B-A3B
     slice with 8k-token micro-batches: 809 against 710 ms a step, at the same peak memory) and bound the memory of
     larger micro-batches (the full logits and their gradient take 4 bytes x tokens x vocabulary in bf16)."""
     export_format: str = "state_dict"
@@ -190,7 +190,7 @@ class LearnerConfig:
     prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
     """Prometheus /metrics endpoint (off while prometheus.port is 0)."""
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
-    """Thresholds of the scaling signal the learner publishes for autoscalers (async_rl/scaling.py)."""
+    """Thresholds of the scaling signal the learner publishes for autoscalers (async_rl/metrics/scaling.py)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint cadence and resume."""
     eval: EvalConfig = field(default_factory=EvalConfig)

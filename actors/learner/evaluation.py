@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from async_rl.sampling import Sampling
+from async_rl.wire.sampling import Sampling
 from buffer.evals import GREEDY_KEY, ROUND_KEY
 
 if TYPE_CHECKING:  # the learner's config imports this module: nothing heavy at import

@@ -60,7 +60,7 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
 
 def checkpoint_hf_weights(checkpoint: Path, run_config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The weights of ``checkpoint`` in transformers' in-memory names, on the CPU, in the dtype trained."""
-    from async_rl.models import load_model_config
+    from async_rl.model.presets import load_model_config
 
     backend_dir = Path(checkpoint) / "backend"
     if run_config.get("backend", "torch") == "torch":
@@ -79,7 +79,7 @@ def export_checkpoint(run_dir: Path, out_dir: Path, *, step: int | None = None) 
     """Write the checkpoint of ``step`` (None: the newest) of ``run_dir`` as a Hugging Face directory ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
-    from async_rl.models import load_model_config, load_tokenizer
+    from async_rl.model.presets import load_model_config, load_tokenizer
 
     run_config = read_run_config(run_dir)
     checkpoint = find_checkpoint(run_dir, step)

@@ -49,15 +49,15 @@ from actors.learner.samples import build_samples
 from actors.learner.signals import LearnerSignals
 from async_rl.algorithms import make_loss_fn
 from async_rl.algorithms.batch import MicroBatch, TrainSample
-from async_rl.architecture import STATE_FIELD as ARCH_FIELD
-from async_rl.architecture import architecture
-from async_rl.architecture import encode as encode_architecture
-from async_rl.control import ControlPlane, LearnerProgress, RunEnded
 from async_rl.entry import public_config
-from async_rl.metrics import MetricsLogger, read_metrics
-from async_rl.reach import redis_client
-from async_rl.repeated import RepeatedLine
-from async_rl.run_end import announce_run_end, clear_run_end
+from async_rl.metrics.sinks import MetricsLogger, read_metrics
+from async_rl.model.architecture import STATE_FIELD as ARCH_FIELD
+from async_rl.model.architecture import architecture
+from async_rl.model.architecture import encode as encode_architecture
+from async_rl.process.repeated import RepeatedLine
+from async_rl.run.end import announce_run_end, clear_run_end
+from async_rl.servers.control import ControlPlane, LearnerProgress, RunEnded
+from async_rl.servers.reach import redis_client
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.weights.background import PublishRecord
@@ -165,7 +165,7 @@ class Learner:
                 self.reward_history = list(restored.extra.get("reward_history", []))
                 log.info("resumed from checkpoint: step %d, version %d, %d groups trained",
                          restored.step, restored.version, len(restored.seen_group_ids))  # fmt: skip
-        self._redis = redis_client(cfg.run.redis_url)  # bounded retries, then the error (async_rl.reach)
+        self._redis = redis_client(cfg.run.redis_url)  # bounded retries, then the error (async_rl.servers.reach)
         stack.push_async_callback(self._redis.aclose)
         self._control = await ControlPlane(cfg.run.nats_url, name="learner", cfg=cfg.control).connect()
         stack.push_async_callback(self._control.close)
@@ -229,7 +229,7 @@ class Learner:
             raise
 
     async def _end_run(self) -> None:
-        """Announce the end of the run (async_rl.run_end): its generators drain and exit."""
+        """Announce the end of the run (async_rl.run.end): its generators drain and exit."""
         assert self._redis is not None
         cfg, step = self.cfg, self.state.step
         reason = "max_steps" if cfg.max_steps and step >= cfg.max_steps else "target_reward"
@@ -527,7 +527,7 @@ class Learner:
 
 def _model_facts(cfg: LearnerConfig) -> ModelFacts:
     """What every rollout entry is checked against: the learner's own model config."""
-    from async_rl.models import load_model_config
+    from async_rl.model.presets import load_model_config
 
     return ModelFacts.from_hf_config(load_model_config(cfg.model.name))
 

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
     setup_logging(args.log_level, "learner")
     import asyncio
 
-    from async_rl.servers import ensure_servers
+    from async_rl.servers.embedded import ensure_servers
 
     servers = None
     if not cfg.run.redis_url or not cfg.run.nats_url:
@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
         servers = ensure_servers(cfg.run.redis_url, cfg.run.nats_url)
         cfg.run.redis_url, cfg.run.nats_url = servers.redis_url, servers.nats_url
         print(f"{prog}: started embedded servers: {servers.redis_url} {servers.nats_url}", file=sys.stderr)
-    from async_rl.lifecycle import StartupError
-    from async_rl.reach import Unreachable, check_servers, describe_failure
+    from async_rl.process.lifecycle import StartupError
+    from async_rl.servers.reach import Unreachable, check_servers, describe_failure
 
     try:  # before anything heavy: a server that is not there is named within seconds
         check_servers(cfg.run.redis_url, cfg.run.nats_url)

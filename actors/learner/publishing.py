@@ -27,10 +27,10 @@ import redis.asyncio as aioredis
 from actors.learner.backend import TrainingBackend
 from actors.learner.checkpoint import LearnerState
 from actors.learner.config import LearnerConfig
-from async_rl.control import ControlPlane
+from async_rl.servers.control import ControlPlane
 from async_rl.weights import WeightPublisher
 from async_rl.weights.background import BackgroundPublisher, PublishRecord
-from async_rl.weights.gpu_publisher import GpuPublisher, GpuSlotsOutOfMemory
+from async_rl.weights.gpu.publisher import GpuPublisher, GpuSlotsOutOfMemory
 from async_rl.weights.manifest import GPU_TRANSPORT
 from async_rl.weights.transport import BucketTransport, make_transport
 

@@ -13,7 +13,7 @@ import numpy as np
 from actors.learner.config import LearnerConfig
 from async_rl.algorithms import broadcast_to_tokens, compute_advantages
 from async_rl.algorithms.batch import TrainSample
-from async_rl.wire_types import GroupRecord
+from async_rl.wire.types import GroupRecord
 
 
 def build_samples(

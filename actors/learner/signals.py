@@ -1,10 +1,10 @@
 """What the learner tells the outside after each step, besides wandb: ``/metrics`` and the scaling signal.
 
-* **Prometheus** (``prometheus.port``, off by default; :mod:`async_rl.prom`): steps, versions, a histogram of
+* **Prometheus** (``prometheus.port``, off by default; :mod:`async_rl.metrics.prometheus`): steps, versions, a histogram of
   group staleness, tokens/s, the rollout backlog, dead letters and prompt fates, the wait share, generators
   alive and the suggested number of generators.
-* **Scaling signal** (:mod:`async_rl.scaling`): the share of time the learner waited for rollouts, the backlog and
-  a suggested number of generators, sent as a :class:`~async_rl.control.ScalingSignal` on ``scaling_subject`` and
+* **Scaling signal** (:mod:`async_rl.metrics.scaling`): the share of time the learner waited for rollouts, the backlog and
+  a suggested number of generators, sent as a :class:`~async_rl.servers.control.ScalingSignal` on ``scaling_subject`` and
   kept under ``names.scaling_state`` in Redis (``async-rl status`` shows it). Generators alive are counted from
   their heartbeats on NATS.
 
@@ -27,9 +27,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from actors.learner.config import LearnerConfig
-from async_rl.control import ControlPlane, Heartbeat, JoinRefused, Message, ScalingSignal, encode
-from async_rl.prom import Exporter, Metric
-from async_rl.scaling import StarvationWindow, suggest
+from async_rl.metrics.prometheus import Exporter, Metric
+from async_rl.metrics.scaling import StarvationWindow, suggest
+from async_rl.servers.control import ControlPlane, Heartbeat, JoinRefused, Message, ScalingSignal, encode
 from buffer.prompts import PromptQueueConfig
 
 log = logging.getLogger(__name__)

@@ -39,13 +39,13 @@ from actors.learner.build import build_backend
 from actors.learner.checkpoint import CheckpointManager, LearnerState
 from actors.learner.config import LearnerConfig
 from actors.learner.samples import build_samples
-from async_rl import tokenizer as tt
 from async_rl.algorithms import make_loss_fn
 from async_rl.algorithms.batch import MicroBatch
-from async_rl.configurable import load_config
+from async_rl.config.configurable import load_config
+from async_rl.model import toy_tokenizer as tt
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
-from async_rl.wire_types import GroupRecord, Sample
+from async_rl.wire.types import GroupRecord, Sample
 
 MixedMode = Literal["off", "per_token", "oldest"]
 MIXED_MODES: tuple[MixedMode, ...] = ("off", "per_token", "oldest")

@@ -1,9 +1,9 @@
 """Plain PyTorch training backend: a Hugging Face causal LM (dense or MoE) on the CPU or one GPU.
 
-Forward passes replay the generators' recorded MoE routes (R3) through :mod:`async_rl.hf_moe`
+Forward passes replay the generators' recorded MoE routes (R3) through :mod:`async_rl.model.hf_routes`
 when asked: positions the engine ran use the recorded experts, later positions and padding the
 model's own routing. Logprobs come from the last hidden states and the LM head in chunks of
-``logprob_chunk_tokens`` real tokens (:mod:`async_rl.chunked_logprobs`), not from full ``[B, T, V]``
+``logprob_chunk_tokens`` real tokens (:mod:`async_rl.logprobs.chunked`), not from full ``[B, T, V]``
 fp32 logits. Gradients of the micro-batches are summed (the loss functions already
 divide by step-global denominators, see :mod:`actors.learner.backend`), clipped, and applied by
 AdamW. Weights are exported under their Hugging Face names.
@@ -27,9 +27,9 @@ from actors.learner.config import TorchBackendConfig
 from actors.learner.lr_schedule import lr_factor
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import parts_to_floats, reduce_metrics
-from async_rl.chunked_logprobs import chunked_token_logprobs
-from async_rl.hf_moe import find_moe_layers, pack_routes, replay_routes
-from async_rl.logit_stats import token_stats
+from async_rl.logprobs.chunked import chunked_token_logprobs
+from async_rl.logprobs.stats import token_stats
+from async_rl.model.hf_routes import find_moe_layers, pack_routes, replay_routes
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Accepted ``dtype`` names."""
@@ -55,7 +55,7 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``[B, T]`` float32 logprob of ``input_ids[:, t]`` from ``logits[:, t - 1]`` (0 at t = 0 and on padding),
     and the entropy of that predictive distribution, after the sampling mask and the temperature
-    (:func:`async_rl.logit_stats.token_stats`: fused kernels on CUDA, no fp32 copy of the logits)."""
+    (:func:`async_rl.logprobs.stats.token_stats`: fused kernels on CUDA, no fp32 copy of the logits)."""
     lp, ent = token_stats(logits[:, :-1], input_ids[:, 1:], temperature=temperature, masked_ids=masked_ids,
                           with_entropy=with_entropy)  # fmt: skip
     valid = attention_mask[:, 1:]
@@ -90,7 +90,7 @@ def chunked_forward(
     temperature: float, masked_ids: torch.Tensor | None, with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """:func:`token_logprobs`' ``[B, T]`` outputs from the last hidden states of the real positions, through
-    :func:`async_rl.chunked_logprobs.chunked_token_logprobs` (no ``[B, T, V]`` logits)."""
+    :func:`async_rl.logprobs.chunked.chunked_token_logprobs` (no ``[B, T, V]`` logits)."""
     base: nn.Module = getattr(model, "base_model")  # noqa: B009 - nn.Module's __getattr__ types it as a Tensor
     hidden = base(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)[0]
     valid = attention_mask[:, 1:].bool()
@@ -186,7 +186,7 @@ class TorchBackend(TrainingBackend):
             return nullcontext()
         if self._num_moe_layers == 0:
             raise ValueError(
-                "micro-batch carries MoE routes but the model has no router async_rl.hf_moe can replay "
+                "micro-batch carries MoE routes but the model has no router async_rl.model.hf_routes can replay "
                 "(dense model, or an unsupported MoE router); pass replay_routes=False or drop the routes"
             )
         routes = pack_routes(mb.routes, int(mb.input_ids.shape[1]), self._num_moe_layers, self._top_k,

@@ -18,7 +18,7 @@ import torch
 
 @dataclass(slots=True)
 class TrainSample:
-    """One sequence to train on, host side (see :mod:`async_rl.wire_types` for alignments)."""
+    """One sequence to train on, host side (see :mod:`async_rl.wire.types` for alignments)."""
 
     input_ids: np.ndarray
     """int32 ``[T]``: prompt followed by response."""

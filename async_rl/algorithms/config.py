@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
+
+from async_rl.algorithms.skyrl import SkyRLConfigError, load_skyrl_sections, skyrl_sections
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
 PolicyLossType = Literal["cispo", "rollout_is", "regular", "dual_clip", "ppo"]
@@ -292,9 +296,7 @@ class AlgorithmConfig:
             )
 
     def _take_skyrl_sections(self) -> None:
-        from async_rl.algorithms.skyrl import load_skyrl_algorithm  # here: that module imports this one
-
-        bridged = load_skyrl_algorithm(self.from_skyrl)
+        bridged = _skyrl_config(load_skyrl_sections(self.from_skyrl))
         for name in ("advantage", "loss", "correction"):
             ours, theirs = getattr(self, name), getattr(bridged, name)
             if ours != type(ours)() and ours != theirs:
@@ -321,3 +323,17 @@ class AlgorithmConfig:
     def needs_entropy(self) -> bool:
         """The backend must return ``ForwardOutput.entropy`` with grad (``with_entropy=True``)."""
         return self.loss.entropy_coef > 0.0
+
+
+def skyrl_algorithm_config(source: Mapping[str, Any] | str | Path | Sequence[str]) -> AlgorithmConfig:
+    """Our :class:`AlgorithmConfig` for a SkyRL algorithm section: a mapping, a YAML file or SkyRL command-line
+    overrides (``async_rl.algorithms.skyrl``)."""
+    return _skyrl_config(skyrl_sections(source))
+
+
+def _skyrl_config(sections: dict[str, dict[str, Any]]) -> AlgorithmConfig:
+    try:
+        return AlgorithmConfig(advantage=AdvantageConfig(**sections["advantage"]), loss=LossConfig(**sections["loss"]),
+                               correction=CorrectionConfig(**sections["correction"]))  # fmt: skip
+    except ValueError as exc:
+        raise SkyRLConfigError(f"SkyRL trainer.algorithm section: {exc}") from exc

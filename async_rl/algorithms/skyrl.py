@@ -1,4 +1,8 @@
-"""A SkyRL ``trainer.algorithm`` section turned into this project's :class:`AlgorithmConfig`.
+"""A SkyRL ``trainer.algorithm`` section translated into this project's ``algorithm`` keys.
+
+:func:`skyrl_sections` gives the keys of the three sections (``advantage``, ``loss``, ``correction``);
+:func:`async_rl.algorithms.config.skyrl_algorithm_config` builds the :class:`AlgorithmConfig` from them (this
+module imports no config class, so the config can use it for ``algorithm.from_skyrl``).
 
 Input: a mapping or a YAML file (the whole SkyRL config, its ``trainer`` section or the
 ``trainer.algorithm`` section itself), or SkyRL command-line overrides
@@ -19,8 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from async_rl.algorithms.config import AdvantageConfig, AlgorithmConfig, CorrectionConfig, LossConfig
-from async_rl.configurable import ConfigError
+from async_rl.config.configurable import ConfigError
 
 _OFF_POLICY = {
     "tis_ratio_type": None, "token_tis_ratio_clip_high": 2.0, "sequence_tis_ratio_clip_high": 5.0,
@@ -103,10 +106,11 @@ def _number(path: str, value: Any, errors: list[str]) -> float:
     return float(value)
 
 
-def skyrl_algorithm_config(source: Mapping[str, Any] | str | Path | Sequence[str]) -> AlgorithmConfig:
-    """Our :class:`AlgorithmConfig` for a SkyRL algorithm section (see the module docstring for ``source``)."""
+def skyrl_sections(source: Mapping[str, Any] | str | Path | Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Our ``advantage``, ``loss`` and ``correction`` keys for a SkyRL algorithm section (see the module docstring
+    for ``source``); raises :class:`SkyRLConfigError` naming every setting with no equivalent here."""
     if isinstance(source, (str, Path)):
-        return load_skyrl_algorithm(source)
+        return load_skyrl_sections(source)
     given = _from_overrides(source) if not isinstance(source, Mapping) else _section(source)
     unknown: list[str] = []
     c = _merge(_SCHEMA, given, "", unknown)
@@ -201,15 +205,11 @@ def skyrl_algorithm_config(source: Mapping[str, Any] | str | Path | Sequence[str
             "SkyRL trainer.algorithm settings with no equivalent here (see docs/algorithms.md, 'From SkyRL'): "
             + "; ".join(bad)
         )
-    try:
-        return AlgorithmConfig(advantage=AdvantageConfig(**adv), loss=LossConfig(**loss),
-                               correction=CorrectionConfig(**corr))  # fmt: skip
-    except ValueError as exc:
-        raise SkyRLConfigError(f"SkyRL trainer.algorithm section: {exc}") from exc
+    return {"advantage": adv, "loss": loss, "correction": corr}
 
 
-def load_skyrl_algorithm(path: str | Path) -> AlgorithmConfig:
-    """:func:`skyrl_algorithm_config` of a YAML file (a whole SkyRL config or a part, see the module docstring)."""
+def load_skyrl_sections(path: str | Path) -> dict[str, dict[str, Any]]:
+    """:func:`skyrl_sections` of a YAML file (a whole SkyRL config or a part, see the module docstring)."""
     import yaml  # PyYAML: a dependency of transformers, which this package requires
 
     p = Path(path)
@@ -221,4 +221,4 @@ def load_skyrl_algorithm(path: str | Path) -> AlgorithmConfig:
         raise SkyRLConfigError(f"algorithm.from_skyrl: {p} is not valid YAML: {exc}") from exc
     if not isinstance(data, Mapping):
         raise SkyRLConfigError(f"algorithm.from_skyrl: {p} must hold a mapping, got {type(data).__name__}")
-    return skyrl_algorithm_config(data)
+    return skyrl_sections(data)

@@ -1,4 +1,7 @@
-"""Tasks and rewards: the :class:`Task` interface, built-in toy tasks, JSONL prompts, user rewards."""
+"""Tasks and rewards: the :class:`Task` interface, built-in toy tasks, JSONL prompts, user rewards.
+
+May import: model, wire, process.
+"""
 
 from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, load_reward_fn, positional_credit
 from async_rl.tasks.config import TASK_NAMES, TaskConfig, build_task

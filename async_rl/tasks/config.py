@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from async_rl.envs.config import EnvConfig
 from async_rl.tasks.base import Task, load_reward_fn
+from async_rl.tasks.envs.config import EnvConfig
 from async_rl.tasks.jsonl import BUILTIN_REWARDS, JsonlTask
 from async_rl.tasks.toy import TOY_TASKS, ToyTask
 
 ENV_TASKS = ("tool_copy", "python_tool", "skyrl_gym", "verifiers")
-"""Tasks whose prompts open episodes of several turns (:mod:`async_rl.envs`)."""
+"""Tasks whose prompts open episodes of several turns (:mod:`async_rl.tasks.envs`)."""
 TASK_NAMES = (*TOY_TASKS, "jsonl", "reasoning_gym", *ENV_TASKS)
 
 
@@ -60,7 +60,7 @@ class TaskConfig:
     reasoning_gym; per model turn for environments, 128 for skyrl_gym and verifiers)."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """skyrl_gym / verifiers: which environment, built with which arguments; python_tool: ``args`` are the
-    sandbox's limits (``async_rl.envs.sandbox.SandboxConfig``)."""
+    sandbox's limits (``async_rl.tasks.envs.sandbox.SandboxConfig``)."""
 
     def __post_init__(self) -> None:
         if self.name not in TASK_NAMES:
@@ -90,7 +90,7 @@ class TaskConfig:
 def build_task(config: TaskConfig) -> Task:
     """The task ``config`` describes (imports a user's reward function; ValueError if it cannot)."""
     if config.name == "tool_copy":
-        from async_rl.envs.tool_copy import ToolCopyTask
+        from async_rl.tasks.envs.tool_copy import ToolCopyTask
 
         if config.reward:
             raise ValueError("task.reward cannot be set for tool_copy: its environment scores the episode")
@@ -101,7 +101,7 @@ def build_task(config: TaskConfig) -> Task:
     if config.name == "jsonl":
         tokenizer = None
         if config.tokenizer:
-            from async_rl.models import load_tokenizer
+            from async_rl.model.presets import load_tokenizer
 
             tokenizer = load_tokenizer(config.tokenizer)
         return JsonlTask(
@@ -117,7 +117,7 @@ def build_task(config: TaskConfig) -> Task:
             eval_path=config.eval_jsonl_path or None,
         )
     if config.name == "reasoning_gym":
-        from async_rl.models import load_tokenizer
+        from async_rl.model.presets import load_tokenizer
         from async_rl.tasks.reasoning_gym import ReasoningGymTask
 
         return ReasoningGymTask(
@@ -140,15 +140,15 @@ def build_task(config: TaskConfig) -> Task:
 def _adapted_task(config: TaskConfig) -> Task:
     """An environment of skyrl-gym or verifiers behind its adapter (those packages are imported only here), or
     python_tool."""
-    from async_rl.envs.text import make_codec
+    from async_rl.tasks.envs.text import make_codec
 
     if config.reward:
         raise ValueError(f"task.reward cannot be set for {config.name}: its environment scores the episode")
     codec = make_codec(config.tokenizer)
     max_new = config.max_new_tokens or 128
     if config.name == "python_tool":
-        from async_rl.envs.python_tool import PythonToolTask
-        from async_rl.envs.sandbox import SandboxConfig
+        from async_rl.tasks.envs.python_tool import PythonToolTask
+        from async_rl.tasks.envs.sandbox import SandboxConfig
 
         try:
             sandbox = SandboxConfig(**config.env.args)
@@ -157,11 +157,11 @@ def _adapted_task(config: TaskConfig) -> Task:
         return PythonToolTask(config.jsonl_path, codec=codec, sandbox=sandbox, seed=config.seed,
                               shuffle=config.shuffle, max_new_tokens=max_new)  # fmt: skip
     if config.name == "skyrl_gym":
-        from async_rl.envs.skyrl_gym import SkyrlGymTask
+        from async_rl.tasks.envs.skyrl_gym import SkyrlGymTask
 
         return SkyrlGymTask(config.jsonl_path, env_id=config.env.id, env_args=config.env.args, codec=codec,
                             seed=config.seed, shuffle=config.shuffle, max_new_tokens=max_new)  # fmt: skip
-    from async_rl.envs.verifiers import VerifiersTask
+    from async_rl.tasks.envs.verifiers import VerifiersTask
 
     return VerifiersTask(config.env.id, env_args=config.env.args, codec=codec, seed=config.seed,
                          shuffle=config.shuffle, max_new_tokens=max_new, tool_parser=config.env.tool_parser)  # fmt: skip

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from async_rl import tokenizer as tt
+from async_rl.model import toy_tokenizer as tt
 from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit, row_of
 from async_rl.tasks.text import decode_response, math_verify_score
 from async_rl.tasks.toy import response_text

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from async_rl import tokenizer as tt
+from async_rl.model import toy_tokenizer as tt
 from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit
 from async_rl.wire import PromptSpec
 

@@ -1,6 +1,8 @@
 """Versioned weight buckets: planning and manifest, publisher, reader (protocol in ``docs/weights.md``).
 
 Public names load on first use (:mod:`async_rl.lazy`), so ``async_rl.weights.config`` stays torch-free.
+
+May import: lazy, process, run, servers.
 """
 
 from typing import TYPE_CHECKING

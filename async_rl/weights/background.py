@@ -18,7 +18,7 @@ commits the manifest (:class:`~async_rl.weights.publisher.WeightPublisher`) whil
 * ``background=False``: :meth:`offer` waits for the publish it starts (the same path, no overlap).
 
 **Encoded elsewhere.** :meth:`BackgroundPublisher.offer_encoded` takes a version that something else encodes
-(:class:`~async_rl.weights.gpu_encoder.GpuEncoder`, on the learner's GPU, from a GPU slot): the same coalescing, full
+(:class:`~async_rl.weights.gpu.encoder.GpuEncoder`, on the learner's GPU, from a GPU slot): the same coalescing, full
 versions and commit, with the delta's base kept by the encoder; :attr:`BackgroundPublisher.link_bytes_per_s` (the
 transport's measured rate) tells it whether a delta pays.
 
@@ -43,7 +43,7 @@ from async_rl.weights.publisher import PublishStats, RankPart, WeightPublisher
 from async_rl.weights.snapshot import Piece, Snapshot, Snapshotter
 
 if TYPE_CHECKING:
-    from async_rl.weights.gpu_encoder import EncodedVersion
+    from async_rl.weights.gpu.encoder import EncodedVersion
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ Source = Callable[[], Iterable[Piece | tuple[str, torch.Tensor]]]
 """Called in a worker thread at the step boundary: this rank's pieces (or whole tensors), to be copied at once."""
 Encode = Callable[[bool, int, "float | None"], "EncodedVersion"]
 """Called in a worker thread: (full wanted, the base version a delta may use, the link's bytes/s or None) -> the
-version encoded (:meth:`~async_rl.weights.gpu_encoder.GpuEncoder.encode`)."""
+version encoded (:meth:`~async_rl.weights.gpu.encoder.GpuEncoder.encode`)."""
 LINK_RATE_WEIGHT = 0.5
 """Weight of the newest version's put rate in :attr:`BackgroundPublisher.link_bytes_per_s` (a moving average)."""
 

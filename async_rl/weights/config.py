@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from async_rl.checksums import CHECKSUMS
+from async_rl.weights.checksums import CHECKSUMS
 from async_rl.weights.transport import MAX_BUCKET_BYTES
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 """dtypes a GPU-held version may be published in (names of async_rl.weights.manifest.DTYPES)."""
 MAX_GPU_SLOTS = 4
 """Most versions a learner keeps in GPU buffers (``publisher.gpu_slots``): readers keep this many versions' buffers
-mapped (:data:`async_rl.weights.cuda_ipc.VERSIONS_KEPT`)."""
+mapped (:data:`async_rl.weights.gpu.cuda_ipc.VERSIONS_KEPT`)."""
 # zstd's highest compression level (the zstandard package is not imported here: configs stay light).
 ZSTD_MAX_LEVEL = 22
 
@@ -45,7 +45,7 @@ class PublisherConfig:
     """zstd level of delta payloads (1-22; 1 measured smallest per second of CPU here, docs/weights.md)."""
     gpu: Literal["auto", "on", "off"] = "auto"
     """Keep each version in GPU buffers that generators on the same host copy over CUDA IPC in milliseconds
-    (async_rl/weights/gpu_publisher.py): 'auto' where the learner's weights are on a CUDA GPU, 'on' refuses to
+    (async_rl/weights/gpu/publisher.py): 'auto' where the learner's weights are on a CUDA GPU, 'on' refuses to
     start otherwise, 'off' publishes through the host transport only."""
     gpu_slots: int = 2
     """Versions kept in GPU buffers (2 to :data:`MAX_GPU_SLOTS`, each the size of the weights in ``gpu_dtype``): the
@@ -62,7 +62,7 @@ class PublisherConfig:
     gpu_encode: bool = True
     """With the GPU path on (one rank's slots, or every rank's on rank 0's host): the host transport's versions are
     encoded on the GPU (a delta of the changed elements where that is faster at the link's measured rate, checksums there too;
-    async_rl/weights/gpu_encoder.py). It keeps one more copy of the weights on the GPU, the base of the next delta,
+    async_rl/weights/gpu/encoder.py). It keeps one more copy of the weights on the GPU, the base of the next delta,
     when ``delta`` is on. False: they are snapshot to host memory and encoded on the CPU (XOR + zstd)."""
     link_gbps: float = 0.0
     """The rate, in Gbit/s, at which host versions reach generators, for the choice between a delta and a whole

@@ -24,8 +24,8 @@ from typing import Any
 import msgpack
 import torch
 
-from async_rl.checksums import CHECKSUMS, checksum_stream, default_checksum  # noqa: F401 - re-exported
-from async_rl.weights.cuda_ipc import IpcHandle
+from async_rl.weights.checksums import CHECKSUMS, checksum_stream, default_checksum  # noqa: F401 - re-exported
+from async_rl.weights.gpu.cuda_ipc import IpcHandle
 from async_rl.weights.signing import hmac_matches, manifest_hmac
 
 MANIFEST_SCHEMA = 2
@@ -159,7 +159,7 @@ class IpcPlacement:
     """Where a GPU-held version's buckets live: the learner's GPU buffers, one exported handle per bucket."""
 
     host: str
-    """:func:`~async_rl.weights.cuda_ipc.host_key` of the learner: only processes with the same key map the handles."""
+    """:func:`~async_rl.weights.gpu.cuda_ipc.host_key` of the learner: only processes with the same key map the handles."""
     handles: list[IpcHandle]
     """Bucket ``i`` is the first ``buckets[i].nbytes`` bytes of ``handles[i]``'s buffer."""
 

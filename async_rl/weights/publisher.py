@@ -1,6 +1,6 @@
 """Publishing a weight version: buckets first, then the manifest, then visibility, then the announcement.
 
-Protocol (keys from :class:`~async_rl.names.Names`):
+Protocol (keys from :class:`~async_rl.run.names.Names`):
 
 1. ``weights:staging`` records the version and its bucket count, so a publisher that dies
    mid-way leaves nothing a later publisher cannot find and delete;
@@ -10,7 +10,7 @@ Protocol (keys from :class:`~async_rl.names.Names`):
 3. rank 0 merges the ranks' parts into the manifest and one Lua script writes it, adds the version to
    ``weights:versions``, moves ``weights:latest`` forward and clears the staging entry
    (:meth:`WeightPublisher.commit`): the version becomes visible all at once, or not at all;
-4. a :class:`~async_rl.control.WeightsAnnounced` goes out on NATS (readers also poll ``latest``);
+4. a :class:`~async_rl.servers.control.WeightsAnnounced` goes out on NATS (readers also poll ``latest``);
 5. versions beyond the newest ``keep_versions`` are pruned, except the newest full version and those after it
    (a late joiner builds the latest from them): hidden at once (removed from ``versions``), deleted only when
    no reader holds a live lease on them (see :mod:`.reader`).
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 import torch
 
-from async_rl.control import ControlPlane, WeightsAnnounced
-from async_rl.names import Names
+from async_rl.run.names import Names
+from async_rl.servers.control import ControlPlane, WeightsAnnounced
 from async_rl.weights import delta
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.manifest import (
@@ -68,7 +68,7 @@ if tonumber(ARGV[2]) > cur then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) en
 return 1
 """
 # KEYS: manifest, readers. Deletes the manifest (no new lease can be taken) only when no lease is live; 1 when it did.
-# The GPU path retires a slot's version with it too (async_rl/weights/gpu_publisher.py).
+# The GPU path retires a slot's version with it too (async_rl/weights/gpu/publisher.py).
 RETIRE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

@@ -33,9 +33,9 @@ import redis.asyncio as aioredis
 import torch
 from redis.exceptions import RedisError
 
-from async_rl.checksums import CHECKSUMS
-from async_rl.names import Names
+from async_rl.run.names import Names
 from async_rl.weights import delta
+from async_rl.weights.checksums import CHECKSUMS
 from async_rl.weights.config import ReaderConfig
 from async_rl.weights.manifest import DTYPES, Manifest, ManifestError, ManifestTensor
 from async_rl.weights.signing import run_secret

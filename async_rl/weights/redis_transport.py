@@ -16,9 +16,9 @@ import ssl
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, unquote, urlparse
 
-from async_rl.checksums import checksum_stream
-from async_rl.lifecycle import redact_url
-from async_rl.names import Names
+from async_rl.process.lifecycle import redact_url
+from async_rl.run.names import Names
+from async_rl.weights.checksums import checksum_stream
 from async_rl.weights.transport import (
     MAX_BUCKET_BYTES,
     BucketCorrupt,

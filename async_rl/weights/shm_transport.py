@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 from urllib.parse import urlparse
 
-from async_rl.names import Names
+from async_rl.run.names import Names
 from async_rl.weights.transport import BucketMissing, BucketTransport, TransportConfig, register_transport
 
 

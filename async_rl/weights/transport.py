@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 from urllib.parse import urlparse
 
-from async_rl.checksums import CHECKSUMS
-from async_rl.lifecycle import redact_url
-from async_rl.names import Names
+from async_rl.process.lifecycle import redact_url
+from async_rl.run.names import Names
+from async_rl.weights.checksums import CHECKSUMS
 
 # Target bucket sizes are capped at Redis's default proto-max-bulk-len (512 MiB), its largest value.
 MAX_BUCKET_BYTES = 512 << 20

@@ -12,7 +12,7 @@ runs in a call of its own:
     python3 scripts/gpu/nixl_vs_ipc.py --dram --gb 0.05 --json /tmp/nixl-dram.json   # host memory: NIXL only, a check
 
 A producer process fills a buffer with a known pattern and serves it both ways: exported once as a CUDA IPC handle
-(:mod:`async_rl.weights.cuda_ipc`, what generators map today) and registered with a NIXL agent (UCX backend: its
+(:mod:`async_rl.weights.gpu.cuda_ipc`, what generators map today) and registered with a NIXL agent (UCX backend: its
 ``cuda_ipc`` / ``cuda_copy`` transports on one host). For each placement (the same GPU, then the other GPU when
 there is one) a consumer process reads it into a buffer of its own: ``copy_`` from the mapped handle, and a NIXL
 READ of the registered region; each timed over ``--reps`` after one warm-up and checked byte for byte against the
@@ -61,7 +61,7 @@ def producer(conn: Any, nbytes: int, device: str, dram: bool) -> None:
     buf = _pattern(nbytes, "cpu" if dram else device)
     handle = None
     if not dram:
-        from async_rl.weights.cuda_ipc import export
+        from async_rl.weights.gpu.cuda_ipc import export
 
         handle = export(buf)
     agent = nixl_agent("producer", nixl_agent_config(backends=["UCX"]))
@@ -100,7 +100,7 @@ def consumer(conn: Any, meta: bytes, where: tuple[int, int, int], ipc: Any, nbyt
         def same() -> bool:
             return bool(torch.equal(dst, want))
 
-        from async_rl.weights.cuda_ipc import IpcMapper
+        from async_rl.weights.gpu.cuda_ipc import IpcMapper
 
         t0 = time.perf_counter()
         src = IpcMapper().open(ipc, nbytes)

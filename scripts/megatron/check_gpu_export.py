@@ -70,12 +70,12 @@ def main() -> int:
 async def _lead(meg, mb, loss, args) -> dict:  # type: ignore[no-untyped-def]
     import redis.asyncio as aioredis
 
-    from async_rl.names import Names
-    from async_rl.servers import ensure_servers
+    from async_rl.run.names import Names
+    from async_rl.servers.embedded import ensure_servers
     from async_rl.weights import WeightPublisher, WeightReader
     from async_rl.weights.background import BackgroundPublisher
     from async_rl.weights.config import PublisherConfig
-    from async_rl.weights.gpu_publisher import GpuPublisher
+    from async_rl.weights.gpu.publisher import GpuPublisher
     from async_rl.weights.redis_transport import RedisTransport
 
     servers = ensure_servers(None, None)

@@ -8,7 +8,7 @@ autoscaler brings up (and releases) the nodes they need.
 Each actor runs one ``async-rl generator`` process (id ``ray-<node>-<n>``; the run's URLs from --redis-url /
 --nats-url or ASYNC_RL_REDIS_URL / ASYNC_RL_NATS_URL, handed to the process through its environment). Every
 --interval-s the controller reads the learner's latest scaling signal (the Redis copy of the ScalingSignal it
-also sends on NATS; async_rl/scaling.py) and moves the number of actors toward ``suggested_generators`` within
+also sends on NATS; async_rl/metrics/scaling.py) and moves the number of actors toward ``suggested_generators`` within
 [--min, --max]: up at once, down by one, --cooldown-s after the last change. An actor Ray cannot place (its --num-gpus / --resources
 exceed what the nodes have free) waits, and Ray's autoscaler launches a node for it; a node left idle is released.
 A scale-down sends the newest generator SIGTERM: it finishes its batch (or releases it) and exits. When the learner
@@ -92,7 +92,7 @@ class Controller:
         import ray
         import redis
 
-        from async_rl.names import Names
+        from async_rl.run.names import Names
 
         self.args = args
         self.names = Names(prefix=args.prefix)
@@ -107,7 +107,7 @@ class Controller:
         self.stop_event = threading.Event()
 
     def _decoded(self, key: str) -> Any:
-        from async_rl.control import MessageError, decode
+        from async_rl.servers.control import MessageError, decode
 
         raw = self.redis.get(key)
         try:
@@ -160,7 +160,7 @@ class Controller:
                 ray.kill(actor)
 
     def run(self) -> int:
-        from async_rl.control import RunEnded
+        from async_rl.servers.control import RunEnded
 
         for _ in range(self.args.min_generators):
             self.add()

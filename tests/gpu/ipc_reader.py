@@ -17,10 +17,10 @@ import sys
 import redis.asyncio as aioredis
 import torch
 
-from async_rl.names import Names
+from async_rl.run.names import Names
 from async_rl.weights.config import ReaderConfig
-from async_rl.weights.cuda_ipc import IpcUnavailable
-from async_rl.weights.gpu_reader import GpuReader
+from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
+from async_rl.weights.gpu.reader import GpuReader
 from async_rl.weights.reader import WeightsError
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_rl.chunked_logprobs import chunked_token_logprobs
+from async_rl.logprobs.chunked import chunked_token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

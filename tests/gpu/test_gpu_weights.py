@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.weights.background import BackgroundPublisher
 from async_rl.weights.config import PublisherConfig
-from async_rl.weights.gpu_publisher import GpuPublisher, local_slots
+from async_rl.weights.gpu.publisher import GpuPublisher, local_slots
 from async_rl.weights.publisher import WeightPublisher
 from async_rl.weights.reader import WeightReader
 from async_rl.weights.transport import TransportConfig, make_transport

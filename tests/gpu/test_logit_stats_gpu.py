@@ -1,4 +1,4 @@
-"""The fused logit statistics (async_rl/logit_stats.py) at Qwen3's vocabulary on one CUDA GPU: the values and
+"""The fused logit statistics (async_rl/logprobs/stats.py) at Qwen3's vocabulary on one CUDA GPU: the values and
 gradients of the plain torch path, and their time and extra memory against it (printed: ``-s`` shows them).
 The small cases of ``tests/unit/fused_logit_stats_cases.py`` run here too, on the GPU."""
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from async_rl.logit_stats import token_stats
+from async_rl.logprobs.stats import token_stats
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -111,7 +111,7 @@ def test_logprobs_match_torch_backend_fp32(attention: str, experts: str) -> None
 
 
 def test_token_mask_matches_torch_backend_and_generator() -> None:
-    """The sampling mask (async_rl/token_mask.py) on Megatron's logits: same logprobs and entropy as the torch
+    """The sampling mask (async_rl/model/token_mask.py) on Megatron's logits: same logprobs and entropy as the torch
     backend with the same mask, and the masked ids hold no probability (a sampled-then-masked token would be -1e9)."""
     from actors.learner.megatron.toy import build_hf, hf_routes, make_batch, toy_config, with_routes
 

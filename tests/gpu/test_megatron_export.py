@@ -36,9 +36,9 @@ def test_megatron_checkpoint_exports_the_published_weights(tmp_path, experts: st
     from actors.learner.megatron.config import MegatronConfig
     from actors.learner.megatron.toy import build_hf, hf_routes, make_batch, nll_loss, toy_config, with_routes
     from actors.learner.torch_backend import TorchBackend
-    from async_rl.configurable import load_config
+    from async_rl.config.configurable import load_config
     from async_rl.entry import save_resolved_config
-    from async_rl.tokenizer import save_tokenizer
+    from async_rl.model.toy_tokenizer import save_tokenizer
 
     cfg = toy_config()
     hf = build_hf(cfg)

@@ -15,7 +15,7 @@ from actors.learner.batching import collate, make_micro_batches
 from actors.learner.config import BatchingConfig, TorchBackendConfig
 from actors.learner.torch_backend import TorchBackend
 from async_rl.algorithms.batch import ForwardOutput, MicroBatch, TrainSample
-from async_rl.models import ModelConfig, build_model, small_moe_config
+from async_rl.model.presets import ModelConfig, build_model, small_moe_config
 
 pytestmark = pytest.mark.gpu
 

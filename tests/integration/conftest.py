@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from tests.integration.procs import Procs
 
 

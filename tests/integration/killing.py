@@ -10,8 +10,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 
 
 async def kill_mid_version(script: str, servers: ServerSet, names: Names, redis_client: aioredis.Redis,

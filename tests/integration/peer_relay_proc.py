@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from async_rl.names import Names
+from async_rl.run.names import Names
 from async_rl.weights.transport import TransportConfig, make_transport
 
 

@@ -17,10 +17,10 @@ import msgspec
 import numpy as np
 import redis
 
-from async_rl.moe import route_dtype
-from async_rl.names import Names
+from async_rl.model.moe import route_dtype
+from async_rl.run.names import Names
 from async_rl.wire import PromptSpec, decode_prompt, encode_group
-from async_rl.wire_types import GroupRecord, Sample
+from async_rl.wire.types import GroupRecord, Sample
 from buffer.entry_checks import ModelFacts
 
 

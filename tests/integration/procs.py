@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from async_rl.metrics import read_metrics
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.metrics.sinks import read_metrics
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 
 LEARNER_TEST_ARGS = [
     "model.name=tiny-moe", "task.name=copy", "batch_groups=8", "sampling.n=8", "torch.lr=2e-3",

@@ -15,8 +15,8 @@ import torch
 from redis.exceptions import NoPermissionError, ResponseError
 
 from actors.commands.acl import main as acl_main
-from async_rl.names import Names
-from async_rl.servers import EmbeddedServer, _spawn, free_port, valkey_binary
+from async_rl.run.names import Names
+from async_rl.servers.embedded import EmbeddedServer, _spawn, free_port, valkey_binary
 from async_rl.weights import WeightPublisher, WeightReader
 from async_rl.weights.peer.topology import RelayEntry, Topology
 from async_rl.weights.redis_transport import RedisTransport
@@ -168,8 +168,8 @@ async def test_nats_users_give_each_role_only_its_subjects(tmp_path: Path) -> No
 
     import nats
 
-    from async_rl.control import ControlPlane, Heartbeat, Message, WeightsAnnounced
-    from async_rl.servers import nats_binary
+    from async_rl.servers.control import ControlPlane, Heartbeat, Message, WeightsAnnounced
+    from async_rl.servers.embedded import nats_binary
 
     names = Names(prefix=f"t-nacl-{uuid.uuid4().hex[:8]}")
     out = tmp_path / "acl"

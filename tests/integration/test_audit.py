@@ -9,8 +9,8 @@ import numpy as np
 
 from actors.commands.audit import main as audit_main
 from actors.commands.status import render
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.wire import PromptSpec
 from buffer.audit import Audit, AuditConfig
 from buffer.entry_checks import ModelFacts

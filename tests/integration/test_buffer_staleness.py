@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from actors.commands.bench.buffer import make_group
-from async_rl.configurable import ConfigError, from_dict
+from async_rl.config.configurable import ConfigError, from_dict
 from async_rl.wire import PromptSpec
 from buffer.prompts import PromptQueue
 from buffer.rollout_writer import RolloutWriter

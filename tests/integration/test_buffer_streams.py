@@ -267,7 +267,7 @@ async def test_generator_killed_with_sigkill_loses_no_prompt(redis_client, names
     await q.issue(_specs(5), version=0)
     script = (
         "import asyncio, os, signal, redis.asyncio as r\n"
-        "from async_rl.names import Names\n"
+        "from async_rl.run.names import Names\n"
         "from buffer.prompts import PromptQueue\n"
         "async def main():\n"
         f"    q = PromptQueue(r.Redis.from_url({servers.redis_url!r}), Names(prefix={names.prefix!r}))\n"

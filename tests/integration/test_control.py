@@ -7,7 +7,8 @@ import asyncio
 import msgpack
 import pytest
 
-from async_rl.control import (
+from async_rl.run.names import Names
+from async_rl.servers.control import (
     Control,
     ControlPlane,
     ControlPlaneConfig,
@@ -22,8 +23,7 @@ from async_rl.control import (
     decode,
     encode,
 )
-from async_rl.names import Names
-from async_rl.servers import ServerSet, free_port
+from async_rl.servers.embedded import ServerSet, free_port
 
 
 def test_every_message_kind_round_trips() -> None:

@@ -20,8 +20,8 @@ import pytest
 import redis
 
 from actors.commands.status import main as status_main
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.wire import decode_group, decode_prompt
 from tests.integration.procs import TRANSPORT, Procs
 
@@ -125,7 +125,7 @@ def test_learner_restart_trains_each_group_once(procs: Procs) -> None:
 
 
 def test_generator_joining_mid_run_starts_on_newest_weights(procs: Procs, servers: ServerSet, names: Names) -> None:
-    from async_rl.control import ControlPlane, Heartbeat, Message
+    from async_rl.servers.control import ControlPlane, Heartbeat, Message
 
     procs.learner("max_steps=300")  # far beyond the test: a finished run would send the late generator home at once
     procs.generator("gen-0")

@@ -17,8 +17,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from buffer.audit import audit_run
 from buffer.evals import ROUND_KEY, EvalQueue, EvalResult
 from buffer.prompts import PromptQueueConfig

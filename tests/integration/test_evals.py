@@ -7,11 +7,11 @@ from __future__ import annotations
 from actors.commands.status import render, snapshot
 from actors.learner.checkpoint import LearnerState
 from actors.learner.evaluation import EvalConfig, Evaluator
-from async_rl.names import Names
-from async_rl.run_config import RunConfig
-from async_rl.sampling import Sampling
-from async_rl.servers import ServerSet
+from async_rl.run.config import RunConfig
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.tasks import TaskConfig, build_task
+from async_rl.wire.sampling import Sampling
 from buffer.audit import audit_run
 from buffer.evals import GREEDY_KEY, ROUND_KEY, EvalQueue, EvalResult
 from buffer.prompts import PromptQueue, PromptQueueConfig
@@ -20,7 +20,7 @@ from buffer.prompts import PromptQueue, PromptQueueConfig
 def _answer(task, entry) -> EvalResult:  # type: ignore[no-untyped-def]
     """What a generator sends for a perfect (or, for odd entries, empty) answer, scored by the task itself."""
     meta = entry.spec.metadata
-    from async_rl import tokenizer as tt
+    from async_rl.model import toy_tokenizer as tt
 
     good = int(entry.spec.prompt_id.split("-eval-")[1].split("@")[0]) % 2 == 0
     ids = [*tt.encode(meta["target"]), tt.EOS_ID] if good else [tt.EOS_ID]

@@ -26,13 +26,13 @@ from actors.learner.megatron.checkpoint_reader import LAYOUT_FILE, RANK_FILE, wr
 from actors.learner.megatron.convert import ModelArch, RankNaming, hf_to_mcore, local_state
 from actors.learner.megatron.routes import PipelineSplit
 from actors.learner.torch_backend import TorchBackend
-from async_rl import tokenizer as toy_tok
 from async_rl.algorithms.batch import ForwardOutput, MicroBatch, TrainSample
-from async_rl.configurable import load_config
+from async_rl.config.configurable import load_config
 from async_rl.entry import save_resolved_config
-from async_rl.models import build_model, preset_config, save_pretrained_dir
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.model import toy_tokenizer as toy_tok
+from async_rl.model.presets import build_model, preset_config, save_pretrained_dir
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.weights import WeightPublisher, WeightReader
 from async_rl.weights.redis_transport import RedisTransport
 

@@ -15,9 +15,9 @@ import redis
 
 from actors.commands.audit import main as audit_main
 from actors.commands.status import main as status_main
-from async_rl.names import Names
-from async_rl.runs import _with_db
-from async_rl.servers import ServerSet, start_nats
+from async_rl.run.listing import _with_db
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet, start_nats
 from tests.integration.procs import Procs
 
 

@@ -12,9 +12,9 @@ from actors.generator.config import GeneratorConfig, TorchEngineConfig, WeightSy
 from actors.generator.process import Generator
 from actors.generator.torch_engine import TorchEngine
 from actors.generator.weight_sync import WeightSync
-from async_rl.models import ModelConfig, build_model
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.model.presets import ModelConfig, build_model
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.weights import WeightPublisher, WeightReader
 from async_rl.weights.background import BackgroundPublisher
 from async_rl.weights.config import PublisherConfig

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from async_rl.models import build_model
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.model.presets import build_model
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.weights import PublisherConfig, WeightPublisher
 from async_rl.weights.redis_transport import RedisTransport
 from tests.integration.procs import GENERATOR_TEST_ARGS
@@ -111,7 +111,7 @@ def test_a_generator_waiting_for_weights_exits_when_its_redis_goes_away(servers:
     client's, then weight_sync.max_retries reads in a row), then exit 1 with one line naming the URL."""
     import uuid
 
-    from async_rl.servers import start_redis
+    from async_rl.servers.embedded import start_redis
 
     own = start_redis()
     names = Names(prefix=f"t-lostgen-{uuid.uuid4().hex[:8]}")

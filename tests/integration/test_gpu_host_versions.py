@@ -1,4 +1,4 @@
-"""Versions for other hosts encoded from the GPU slots (async_rl/weights/gpu_encoder.py), through the real host
+"""Versions for other hosts encoded from the GPU slots (async_rl/weights/gpu/encoder.py), through the real host
 publisher, Redis and reader, on the CPU (the slots on the CPU; the GPU publisher's own glue runs in
 tests/gpu/test_gpu_weights.py, several ranks' in scripts/megatron/check_gpu_export.py): every version a reader applies
 equals the slot's bit for bit, deltas go out as the changed elements, full versions when asked, a reader joining late
@@ -10,16 +10,16 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.weights import WeightPublisher, WeightReader
 from async_rl.weights.background import BackgroundPublisher
 from async_rl.weights.config import PublisherConfig
-from async_rl.weights.cuda_ipc import IpcUnavailable
-from async_rl.weights.gpu_checksum import padded
-from async_rl.weights.gpu_publisher import GpuPublisher
-from async_rl.weights.gpu_ranks import RankMirror
-from async_rl.weights.gpu_slots import GpuSlots
+from async_rl.weights.gpu.checksum import padded
+from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
+from async_rl.weights.gpu.publisher import GpuPublisher
+from async_rl.weights.gpu.ranks import RankMirror
+from async_rl.weights.gpu.slots import GpuSlots
 from async_rl.weights.redis_transport import RedisTransport
 from async_rl.weights.snapshot import Piece
 
@@ -174,7 +174,7 @@ async def test_the_gpu_encodes_only_whole_versions_and_when_asked(redis_client: 
 
 async def test_an_encoder_without_gpu_memory_hands_over_to_the_cpu_path(redis_client: aioredis.Redis,
                                                                         servers: ServerSet, names: Names) -> None:  # fmt: skip
-    from async_rl.weights.gpu_encoder import GpuEncoder
+    from async_rl.weights.gpu.encoder import GpuEncoder
 
     class FullGpu(GpuEncoder):
         def encode(self, *args, **kwargs):  # type: ignore[no-untyped-def]

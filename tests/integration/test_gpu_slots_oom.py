@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from async_rl.weights.config import PublisherConfig
-from async_rl.weights.gpu_publisher import GpuPublisher, GpuSlotsOutOfMemory
-from async_rl.weights.gpu_slots import GpuSlots
+from async_rl.weights.gpu.publisher import GpuPublisher, GpuSlotsOutOfMemory
+from async_rl.weights.gpu.slots import GpuSlots
 
 
 class _FullGpu(GpuSlots):
@@ -41,9 +41,9 @@ async def test_learner_with_gpu_auto_falls_back_to_the_host_transport(redis_clie
     from actors.learner.config import LearnerConfig
     from actors.learner.publishing import Publishing
     from actors.learner.torch_backend import TorchBackend
-    from async_rl.configurable import load_config
-    from async_rl.control import ControlPlane
-    from async_rl.models import load_model
+    from async_rl.config.configurable import load_config
+    from async_rl.model.presets import load_model
+    from async_rl.servers.control import ControlPlane
 
     class FullGpuBackend(TorchBackend):
         """The quickstart's torch backend, its versions offered to slots that find the device full."""

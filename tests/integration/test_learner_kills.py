@@ -17,8 +17,8 @@ import msgpack
 import pytest
 import redis
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.wire import encode_group
 from buffer.entry_checks import ModelFacts
 from tests.integration.poison import ack_prompt, fields_of, take_prompts, valid_record

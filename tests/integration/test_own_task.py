@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from async_rl.metrics import read_metrics
-from async_rl.names import Names
-from async_rl.servers import ServerSet, free_port
+from async_rl.metrics.sinks import read_metrics
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

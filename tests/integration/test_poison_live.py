@@ -11,8 +11,8 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.wire import PromptSpec, encode_group
 from buffer.entry_checks import ModelFacts
 from tests.integration.poison import ack_prompt, fields_of, mutate, poison_entries, push, take_prompts, valid_record
@@ -25,7 +25,7 @@ NUM_MUTATIONS = 40
 
 
 def test_poison_pills_at_a_live_learner(procs: Procs, servers: ServerSet, names: Names, other: Names) -> None:
-    from async_rl.models import load_model_config
+    from async_rl.model.presets import load_model_config
 
     assert ModelFacts.from_hf_config(load_model_config("tiny-moe")) == FACTS
     learner = procs.learner("batch_groups=4", f"sampling.n={NUM_SAMPLES}", "rollouts.max_entry_bytes=400000",

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from async_rl.control import ControlPlane, Message, ScalingSignal
-from async_rl.names import Names
-from async_rl.servers import ServerSet, free_port
+from async_rl.run.names import Names
+from async_rl.servers.control import ControlPlane, Message, ScalingSignal
+from async_rl.servers.embedded import ServerSet, free_port
 from tests.integration.procs import Procs
 
 pytestmark = pytest.mark.slow

@@ -22,9 +22,9 @@ from actors.learner.batching import collate
 from actors.learner.config import TorchBackendConfig
 from actors.learner.torch_backend import TorchBackend
 from async_rl.algorithms.batch import TrainSample
-from async_rl.hf_moe import record_routes
-from async_rl.models import ModelConfig, build_model, small_moe_config
-from async_rl.token_mask import masked_token_ids
+from async_rl.model.hf_routes import record_routes
+from async_rl.model.presets import ModelConfig, build_model, small_moe_config
+from async_rl.model.token_mask import masked_token_ids
 
 NUM_PROMPTS = 8
 SAMPLES_PER_PROMPT = 4

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet, free_port
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet, free_port
 from tests.integration.procs import GENERATOR_TEST_ARGS, Procs
 
 pytestmark = pytest.mark.slow

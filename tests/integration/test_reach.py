@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.reach import Unreachable, probe_nats, probe_redis
-from async_rl.servers import EmbeddedServer, ServerSet, _spawn, free_port, nats_binary, valkey_binary
+from async_rl.servers.embedded import EmbeddedServer, ServerSet, _spawn, free_port, nats_binary, valkey_binary
+from async_rl.servers.reach import Unreachable, probe_nats, probe_redis
 
 SECRET = "s3cret-never-printed"
 
@@ -108,7 +108,7 @@ def test_learner_exits_with_one_line_when_a_server_goes_away(servers: ServerSet,
     """A server lost at run time: bounded retries, then exit 1 naming the URL (a supervisor restarts the process)."""
     import uuid
 
-    from async_rl.servers import start_nats, start_redis
+    from async_rl.servers.embedded import start_nats, start_redis
 
     for lost in ("redis", "nats"):
         own = start_redis() if lost == "redis" else start_nats()

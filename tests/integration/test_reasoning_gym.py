@@ -11,10 +11,10 @@ import pytest
 import redis
 
 from actors.commands.status import snapshot
-from async_rl.models import save_pretrained_dir
-from async_rl.names import Names
-from async_rl.run_config import RunConfig
-from async_rl.servers import ServerSet
+from async_rl.model.presets import save_pretrained_dir
+from async_rl.run.config import RunConfig
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from tests.integration.procs import Procs
 
 pytest.importorskip("reasoning_gym")

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from actors.commands.quickstart import main as quickstart_main
-from async_rl.metrics import read_metrics
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.metrics.sinks import read_metrics
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from async_rl.names import Names
-from async_rl.run_end import read_run_end
-from async_rl.servers import ServerSet
+from async_rl.run.end import read_run_end
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from tests.integration.procs import Procs
 
 pytestmark = pytest.mark.slow

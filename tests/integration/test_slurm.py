@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.metrics import read_metrics
-from async_rl.names import Names
-from async_rl.servers import free_port
+from async_rl.metrics.sinks import read_metrics
+from async_rl.run.names import Names
+from async_rl.servers.embedded import free_port
 from tests.integration.procs import GENERATOR_TEST_ARGS, LEARNER_TEST_ARGS
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ import json
 import numpy as np
 
 from actors.commands.status import main as status_main
-from async_rl.control import ControlPlane, Heartbeat
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.control import ControlPlane, Heartbeat
+from async_rl.servers.embedded import ServerSet
 from async_rl.wire import PromptSpec
 from buffer.prompts import PromptQueue
 

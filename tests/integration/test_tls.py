@@ -15,10 +15,10 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from async_rl.control import ControlPlane, Heartbeat, Message
-from async_rl.names import Names
-from async_rl.reach import Unreachable, probe_nats, probe_redis
-from async_rl.servers import EmbeddedServer, _spawn, free_port, nats_binary
+from async_rl.run.names import Names
+from async_rl.servers.control import ControlPlane, Heartbeat, Message
+from async_rl.servers.embedded import EmbeddedServer, _spawn, free_port, nats_binary
+from async_rl.servers.reach import Unreachable, probe_nats, probe_redis
 from async_rl.weights import WeightPublisher, WeightReader
 from async_rl.weights.redis_transport import RedisTransport
 from async_rl.wire import PromptSpec

@@ -11,9 +11,9 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from async_rl.control import ControlPlane, WeightsAnnounced
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.control import ControlPlane, WeightsAnnounced
+from async_rl.servers.embedded import ServerSet
 from async_rl.weights import (
     DTYPES,
     CorruptVersion,
@@ -115,7 +115,7 @@ async def test_corrupt_bucket_is_refused(redis_client: aioredis.Redis, names: Na
 _KILLED_PUBLISHER = textwrap.dedent(
     """
     import asyncio, sys, torch, redis.asyncio as aioredis
-    from async_rl.names import Names
+    from async_rl.run.names import Names
     from async_rl.weights.redis_transport import RedisTransport
     from async_rl.weights import WeightPublisher
     from async_rl.weights.config import PublisherConfig
@@ -222,7 +222,7 @@ async def test_publish_announces_on_nats(redis_client: aioredis.Redis, names: Na
 
 
 async def test_transport_errors_are_named(servers: ServerSet, names: Names, tmp_path: Path) -> None:
-    from async_rl.servers import free_port
+    from async_rl.servers.embedded import free_port
     from async_rl.weights.transport import BucketMissing, TransportConfig, TransportError, make_transport
 
     t = make_transport(TransportConfig(), servers.redis_url, names)

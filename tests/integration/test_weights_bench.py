@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from actors.commands.bench.weights import main
-from async_rl.servers import ServerSet
+from async_rl.servers.embedded import ServerSet
 
 
 @pytest.mark.slow  # about 30 s on 2 busy cores: two models built, published, fetched, swapped

@@ -13,9 +13,9 @@ import torch
 from actors.generator.config import TorchEngineConfig, WeightSyncConfig
 from actors.generator.torch_engine import TorchEngine
 from actors.generator.weight_sync import WeightSync
-from async_rl.models import ModelConfig, build_model
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.model.presets import ModelConfig, build_model
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.weights import CorruptVersion, VersionUnavailable, WeightPublisher, WeightReader
 from async_rl.weights.background import BackgroundPublisher
 from async_rl.weights.config import PublisherConfig
@@ -320,7 +320,7 @@ def test_manifest_refuses_delta_fields_that_do_not_hold_together() -> None:
 _KILLED_LEARNER = textwrap.dedent(
     """
     import asyncio, sys, torch, redis.asyncio as aioredis
-    from async_rl.names import Names
+    from async_rl.run.names import Names
     from async_rl.weights.redis_transport import RedisTransport
     from async_rl.weights import WeightPublisher
     from async_rl.weights.background import BackgroundPublisher

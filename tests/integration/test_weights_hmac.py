@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.weights import CorruptVersion, PublisherConfig, ReaderConfig, WeightPublisher, WeightReader
 from async_rl.weights.manifest import Manifest
 from async_rl.weights.redis_transport import RedisTransport
@@ -85,7 +85,7 @@ async def test_weight_sync_refuses_a_version_whose_hmac_fails(redis_client: aior
     from actors.generator.config import TorchEngineConfig, WeightSyncConfig
     from actors.generator.torch_engine import TorchEngine
     from actors.generator.weight_sync import WeightSync
-    from async_rl.models import ModelConfig, build_model
+    from async_rl.model.presets import ModelConfig, build_model
 
     good = _secret(tmp_path, "run.secret", b"g" * 32)
     forged = _secret(tmp_path, "forged.secret", b"f" * 32)

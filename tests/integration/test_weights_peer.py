@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 import torch
 import xxhash
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.weights import PublisherConfig, WeightPublisher, WeightReader
 from async_rl.weights.peer.store import Bucket, new_bucket_memory
 from async_rl.weights.peer.topology import RelayEntry

@@ -13,10 +13,10 @@ from actors.generator.config import TorchEngineConfig, WeightSyncConfig
 from actors.generator.engine import SamplingParams
 from actors.generator.torch_engine import TorchEngine
 from actors.generator.weight_sync import WeightSync
-from async_rl.control import ControlPlane, WeightsAnnounced
-from async_rl.models import ModelConfig, build_model
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.model.presets import ModelConfig, build_model
+from async_rl.run.names import Names
+from async_rl.servers.control import ControlPlane, WeightsAnnounced
+from async_rl.servers.embedded import ServerSet
 from async_rl.weights import WeightPublisher, WeightReader
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.redis_transport import RedisTransport

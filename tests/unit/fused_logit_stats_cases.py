@@ -1,4 +1,4 @@
-"""Cases for the fused logit-statistics kernels (async_rl/logit_stats.py) against their torch definition: values and
+"""Cases for the fused logit-statistics kernels (async_rl/logprobs/stats.py) against their torch definition: values and
 gradients of log p(target) and entropy, with the sampling mask and a temperature, for bf16 and fp32 logits, flat and
 as a strided slice of ``[B, T, V]`` logits. On the device of the run: CUDA where there is one, else the CPU, where
 Triton's interpreter must be on before torch is imported (``tests/unit/test_logit_stats.py`` runs this file so)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_rl.logit_stats import token_stats
+from async_rl.logprobs.stats import token_stats
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,7 +69,7 @@ def test_strided_slice_of_batched_logits() -> None:
 @pytest.mark.parametrize("entropy", [False, True])
 def test_chunked_logprobs_take_the_kernels(monkeypatch: pytest.MonkeyPatch, entropy: bool) -> None:
     """``chunked_token_logprobs`` with the kernels on its chunks: the values and gradients of its torch path."""
-    from async_rl import chunked_logprobs
+    from async_rl.logprobs import chunked as chunked_logprobs
 
     g = torch.Generator().manual_seed(3)
     h = torch.randn(7, 16, generator=g).to(DEV)

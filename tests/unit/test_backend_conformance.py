@@ -24,7 +24,7 @@ from actors.learner.backend import REQUIRED_STEP_METRICS, TrainingBackend
 from actors.learner.batching import make_micro_batches
 from actors.learner.config import BatchingConfig
 from async_rl.algorithms.batch import ForwardOutput, MicroBatch, TrainSample
-from async_rl.moe import moe_facts
+from async_rl.model.moe import moe_facts
 
 VOCAB = 64
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_rl.chunked_logprobs import chunked_token_logprobs
-from async_rl.token_mask import mask_logits
+from async_rl.logprobs.chunked import chunked_token_logprobs
+from async_rl.model.token_mask import mask_logits
 
 
 def _plain(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, temperature: float, ids: torch.Tensor | None

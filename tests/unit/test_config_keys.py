@@ -12,7 +12,7 @@ from actors.generator.config import GeneratorConfig
 from actors.generator.main import main as generator_main
 from actors.learner.config import LearnerConfig
 from actors.learner.main import main as learner_main
-from async_rl.config_keys import config_keys, field_docs
+from async_rl.config.keys import config_keys, field_docs
 
 
 def _leaf_count(cls: type) -> int:

@@ -15,7 +15,7 @@ HEAVY = ("torch", "transformers", "wandb", "matplotlib", "vllm", "megatron")
 
 _PROBE = """
 import json, sys
-from async_rl.configurable import load_config
+from async_rl.config.configurable import load_config
 from actors.generator.config import GeneratorConfig
 from actors.learner.config import LearnerConfig
 from actors.learner.megatron.config import MegatronConfig

@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 
 from async_rl.entry import public_config, save_resolved_config
-from async_rl.lifecycle import redact_url
+from async_rl.process.lifecycle import redact_url
 
 SECRET = "pw-never-shown-42"
 
 
 def test_print_config_and_the_saved_config_redact_urls(tmp_path: Path) -> None:
     from actors.learner.config import LearnerConfig
-    from async_rl.configurable import load_config
+    from async_rl.config.configurable import load_config
 
     urls = [f"run.redis_url=rediss://learner:{SECRET}@db:6380/0", f"run.nats_url=tls://{SECRET}@db:4222"]
     out = subprocess.run([sys.executable, "-m", "actors.commands.cli", "learner", "--print-config", *urls],

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from async_rl.lifecycle import redact_url
-from async_rl.names import Names
+from async_rl.process.lifecycle import redact_url
+from async_rl.run.names import Names
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

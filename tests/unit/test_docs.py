@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from async_rl.configurable import ConfigError, config_from_data
+from async_rl.config.configurable import ConfigError, config_from_data
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs").glob("*/*.md"))]
@@ -189,7 +189,7 @@ def _async_rl_argv(argv: list[str]) -> list[str] | None:
 
 
 def _check_role(role: str, argv: list[str], cwd: Path, root: Path) -> str | None:
-    from async_rl.configurable import deep_merge, parse_overrides
+    from async_rl.config.configurable import deep_merge, parse_overrides
     from async_rl.entry import config_parser
 
     args = config_parser(f"async-rl {role}", "").parse_args(argv)

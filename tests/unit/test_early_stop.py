@@ -6,7 +6,7 @@ import pytest
 
 from actors.learner.config import LearnerConfig
 from actors.learner.loop import target_value
-from async_rl.configurable import ConfigError, load_config
+from async_rl.config.configurable import ConfigError, load_config
 
 URLS = ["run.redis_url=redis://127.0.0.1:1/0", "run.nats_url=nats://127.0.0.1:1"]
 

@@ -79,7 +79,7 @@ def test_loss_mask_must_leave_the_model_a_token():
 
 
 def test_facts_from_the_preset_configs():
-    from async_rl.models import load_model_config
+    from async_rl.model.presets import load_model_config
 
     moe = ModelFacts.from_hf_config(load_model_config("tiny-moe"))
     assert (moe.vocab_size, moe.max_seq_len, moe.num_moe_layers, moe.top_k, moe.num_experts) == (22, 256, 2, 2, 4)
@@ -90,7 +90,7 @@ def test_facts_from_the_preset_configs():
 def backend():  # type: ignore[no-untyped-def]
     from actors.learner.config import TorchBackendConfig
     from actors.learner.torch_backend import TorchBackend
-    from async_rl.models import load_model
+    from async_rl.model.presets import load_model
 
     return TorchBackend(load_model("tiny-moe", seed=0), TorchBackendConfig(device="cpu"))
 

@@ -15,11 +15,11 @@ import torch
 
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.episodes import EpisodeConfig, run_group
-from async_rl import tokenizer as tt
-from async_rl.byte_tokenizer import build_byte_tokenizer
-from async_rl.envs.config import EnvConfig
-from async_rl.envs.text import ChatTemplateCodec, ToyCodec
+from async_rl.model import toy_tokenizer as tt
+from async_rl.model.byte_tokenizer import build_byte_tokenizer
 from async_rl.tasks.config import TaskConfig, build_task
+from async_rl.tasks.envs.config import EnvConfig
+from async_rl.tasks.envs.text import ChatTemplateCodec, ToyCodec
 from tests.unit.test_torch_engine import make_engine
 
 ENV = "tests.integration.adapted_envs:DigitLookupEnv"
@@ -34,7 +34,7 @@ def write_rows(path: Path, n: int = 4) -> Path:
 
 async def test_skyrl_gym_episodes_run_through_the_adapter(tmp_path: Path):
     pytest.importorskip("skyrl_gym")
-    from async_rl.models import build_model
+    from async_rl.model.presets import build_model
 
     task = build_task(TaskConfig(name="skyrl_gym", jsonl_path=str(write_rows(tmp_path / "rows.jsonl")),
                                  env=EnvConfig(id=ENV), max_new_tokens=3))
@@ -92,7 +92,7 @@ def test_codecs():
 
 async def test_verifiers_episodes_run_through_the_adapter():
     pytest.importorskip("verifiers")
-    from async_rl.models import build_model
+    from async_rl.model.presets import build_model
 
     task = build_task(TaskConfig(name="verifiers", max_new_tokens=3,
                                  env=EnvConfig(id=VF_ENV, args={"num_rows": 4})))  # fmt: skip

@@ -14,9 +14,9 @@ from actors.learner.samples import build_samples
 from actors.learner.torch_backend import token_logprobs
 from async_rl.algorithms import AlgorithmConfig, make_loss_fn
 from async_rl.algorithms.config import CorrectionConfig, LossConfig
-from async_rl.sampling import Sampling
 from async_rl.wire import decode_group, encode_group
-from async_rl.wire_types import GroupRecord, Sample
+from async_rl.wire.sampling import Sampling
+from async_rl.wire.types import GroupRecord, Sample
 
 PROMPT = np.array([1, 5, 6, 7], dtype=np.int32)
 # Model turn (2 tokens), environment reply (3 tokens), model turn (3 tokens): 8 response tokens.
@@ -68,7 +68,7 @@ LOSSES = [
 
 @pytest.mark.parametrize("algorithm", LOSSES, ids=["cispo", "ppo_entropy", "regular_kl_tis", "rollout_is_masks"])
 def test_no_gradient_reaches_environment_tokens(algorithm: AlgorithmConfig):
-    from async_rl.models import load_model
+    from async_rl.model.presets import load_model
 
     torch.manual_seed(0)
     model = load_model("tiny-dense", seed=0)

@@ -13,11 +13,11 @@ import pytest
 
 from actors.generator.engine import SamplingParams
 from actors.generator.episodes import END_REASONS, EpisodeConfig, run_episode, run_group
-from async_rl import tokenizer as tt
-from async_rl.envs import EnvReply, EnvTask, Episode, ToolCopyTask
-from async_rl.models import build_model
+from async_rl.model import toy_tokenizer as tt
+from async_rl.model.presets import build_model
+from async_rl.tasks.envs import EnvReply, EnvTask, Episode, ToolCopyTask
 from async_rl.wire import decode_group, encode_group
-from async_rl.wire_types import GroupRecord
+from async_rl.wire.types import GroupRecord
 from tests.unit.test_torch_engine import assert_routes_match, make_engine, reference_logprobs, router_topk
 
 PARAMS = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)

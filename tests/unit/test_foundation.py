@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
-from async_rl.configurable import ConfigError, from_dict, load_config, parse_overrides
-from async_rl.names import Names
-from async_rl.servers import start_nats, start_redis, url_reachable
+from async_rl.config.configurable import ConfigError, from_dict, load_config, parse_overrides
+from async_rl.run.names import Names
+from async_rl.servers.embedded import start_nats, start_redis, url_reachable
 
 
 @dataclass(kw_only=True, slots=True)

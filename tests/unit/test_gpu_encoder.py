@@ -1,4 +1,4 @@
-"""The GPU encoder of host versions (async_rl/weights/gpu_encoder.py), run on the CPU: what it writes rebuilds, through
+"""The GPU encoder of host versions (async_rl/weights/gpu/encoder.py), run on the CPU: what it writes rebuilds, through
 the reader's own decoding and checks, into the slot's version bit for bit; deltas only where they pay."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from async_rl.checksums import CHECKSUMS
 from async_rl.weights import delta
-from async_rl.weights.gpu_encoder import GpuEncoder
-from async_rl.weights.gpu_slots import GpuSlots
+from async_rl.weights.checksums import CHECKSUMS
+from async_rl.weights.gpu.encoder import GpuEncoder
+from async_rl.weights.gpu.slots import GpuSlots
 from async_rl.weights.manifest import BucketEntry, Manifest
 from async_rl.weights.reader import _build
 from async_rl.weights.snapshot import Piece

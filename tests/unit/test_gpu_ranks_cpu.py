@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from async_rl.checksums import CHECKSUMS
-from async_rl.weights.gpu_ranks import DistributedGpuSlots
-from async_rl.weights.gpu_slots import GpuSlots
+from async_rl.weights.checksums import CHECKSUMS
+from async_rl.weights.gpu.ranks import DistributedGpuSlots
+from async_rl.weights.gpu.slots import GpuSlots
 from async_rl.weights.manifest import DTYPES, GPU_CHECKSUM, GPU_TRANSPORT, Manifest
 from async_rl.weights.snapshot import Piece
 

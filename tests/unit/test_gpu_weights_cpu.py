@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from async_rl.checksums import CHECKSUMS, checksum_stream
-from async_rl.weights.cuda_ipc import IpcHandle, host_key
-from async_rl.weights.gpu_checksum import ALIGN_BYTES, padded, to_unsigned, wsum64
-from async_rl.weights.gpu_slots import GpuSlots
+from async_rl.weights.checksums import CHECKSUMS, checksum_stream
+from async_rl.weights.gpu.checksum import ALIGN_BYTES, padded, to_unsigned, wsum64
+from async_rl.weights.gpu.cuda_ipc import IpcHandle, host_key
+from async_rl.weights.gpu.slots import GpuSlots
 from async_rl.weights.manifest import GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest, ManifestError
 from async_rl.weights.snapshot import Piece
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
-from async_rl.hf_moe import NO_ROUTE, find_moe_layers, pack_routes, record_routes, replay_routes
-from async_rl.moe import route_dtype
+from async_rl.model.hf_routes import NO_ROUTE, find_moe_layers, pack_routes, record_routes, replay_routes
+from async_rl.model.moe import route_dtype
 
 
 def _qwen3_moe(seed: int = 0, **kw: object) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""The fused logit statistics (async_rl/logit_stats.py): the torch definition against log_softmax, bad input, and the
+"""The fused logit statistics (async_rl/logprobs/stats.py): the torch definition against log_softmax, bad input, and the
 Triton kernels against the definition in Triton's interpreter on the CPU (``fused_logit_stats_cases.py`` in a child
 pytest: the interpreter must be chosen before torch imports Triton)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_rl.logit_stats import reference_token_stats, token_stats
+from async_rl.logprobs.stats import reference_token_stats, token_stats
 
 
 def test_fused_kernels_in_the_triton_interpreter() -> None:

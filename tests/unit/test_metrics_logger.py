@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.metrics import WANDB_ID_FILE, MetricsConfig, MetricsLogger, read_metrics
+from async_rl.metrics.sinks import WANDB_ID_FILE, MetricsConfig, MetricsLogger, read_metrics
 
 
 def test_a_restart_resumes_the_same_wandb_run_and_says_how_to_sync(tmp_path: Path,
@@ -17,7 +17,7 @@ def test_a_restart_resumes_the_same_wandb_run_and_says_how_to_sync(tmp_path: Pat
     cfg = MetricsConfig(wandb_mode="offline")
     ids = []
     for step0 in (1, 3):  # the learner, then the same learner restarted on the same run directory
-        with caplog.at_level(logging.INFO, logger="async_rl.metrics"):
+        with caplog.at_level(logging.INFO, logger="async_rl.metrics.sinks"):
             m = MetricsLogger(cfg, tmp_path, config={"lr": 1e-3}, name="t")
             assert m.wandb_mode == "offline" and m._run is not None
             ids.append(m._run.id)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from async_rl import tokenizer as toy_tok
-from async_rl.configurable import ConfigError, from_dict
-from async_rl.models import (
+from async_rl.config.configurable import ConfigError, from_dict
+from async_rl.model import toy_tokenizer as toy_tok
+from async_rl.model.presets import (
     ModelConfig,
     build_model,
     load_model,

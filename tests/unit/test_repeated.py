@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from async_rl.repeated import RepeatedLine
+from async_rl.process.repeated import RepeatedLine
 
 
 def test_a_flood_becomes_one_line_and_a_summary(caplog: pytest.LogCaptureFixture) -> None:

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from async_rl.envs.python_tool import PythonToolTask
-from async_rl.envs.sandbox import SandboxConfig, network_isolation, run_python
-from async_rl.envs.text import TextCodec
+from async_rl.tasks.envs.python_tool import PythonToolTask
+from async_rl.tasks.envs.sandbox import SandboxConfig, network_isolation, run_python
+from async_rl.tasks.envs.text import TextCodec
 
 
 async def test_runs_code_and_reports_errors():

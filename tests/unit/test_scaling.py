@@ -1,10 +1,10 @@
-"""The scaling policy (async_rl/scaling.py): up on a starved learner, down on a backlog that stays, clamps."""
+"""The scaling policy (async_rl/metrics/scaling.py): up on a starved learner, down on a backlog that stays, clamps."""
 
 from __future__ import annotations
 
 import pytest
 
-from async_rl.scaling import ScalingConfig, StarvationWindow, suggest
+from async_rl.metrics.scaling import ScalingConfig, StarvationWindow, suggest
 
 CFG = ScalingConfig(wait_share_high=0.2, wait_share_low=0.05, backlog_high_batches=1.0, min_generators=1)
 

@@ -9,8 +9,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from async_rl import tokenizer as tt
-from async_rl.configurable import ConfigError, from_dict
+from async_rl.config.configurable import ConfigError, from_dict
+from async_rl.model import toy_tokenizer as tt
 from async_rl.tasks import TOY_TASKS, TaskConfig, build_task, load_reward_fn
 from async_rl.wire import decode_prompt, encode_prompt
 

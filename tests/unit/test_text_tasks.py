@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from async_rl.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, build_byte_tokenizer
-from async_rl.models import save_pretrained_dir
+from async_rl.model.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, build_byte_tokenizer
+from async_rl.model.presets import save_pretrained_dir
+from async_rl.model.token_mask import masked_token_ids
 from async_rl.tasks import TaskConfig, build_task
 from async_rl.tasks.reasoning_gym import HELD_OUT_START, ReasoningGymTask
-from async_rl.token_mask import masked_token_ids
 
 pytest.importorskip("reasoning_gym")
 pytest.importorskip("math_verify")
@@ -101,7 +101,7 @@ def test_toy_tasks_have_a_held_out_stream() -> None:
 
 def test_jsonl_held_out_file_and_the_learner_config_asks_for_one(tmp_path: Path) -> None:
     from actors.learner.config import LearnerConfig
-    from async_rl.configurable import ConfigError, load_config
+    from async_rl.config.configurable import ConfigError, load_config
 
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     train.write_text('{"prompt": "12=", "answer": "12"}\n')

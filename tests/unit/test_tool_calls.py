@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from async_rl.envs.tool_calls import parse_tool_calls
+from async_rl.tasks.envs.tool_calls import parse_tool_calls
 
 
 def _call(i: int, name: str, arguments: dict, prefix: str = "call_") -> dict:

@@ -16,7 +16,7 @@ from actors.learner.torch_backend import TorchBackend, aggregate_metrics, linear
 from async_rl.algorithms.batch import ForwardOutput, MicroBatch, TrainSample
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.algorithms.loss import make_loss_fn
-from async_rl.hf_moe import find_moe_layers, record_routes
+from async_rl.model.hf_routes import find_moe_layers, record_routes
 
 VOCAB = 32
 

@@ -19,9 +19,9 @@ from actors.generator.config import TorchEngineConfig
 from actors.generator.engine import SamplingParams
 from actors.generator.sampling import sample_tokens
 from actors.generator.torch_engine import TorchEngine
-from async_rl import tokenizer as tt
-from async_rl.models import build_model, cache_kwarg, save_pretrained_dir, tiny_moe_config
-from async_rl.token_mask import mask_logits, masked_token_ids
+from async_rl.model import toy_tokenizer as tt
+from async_rl.model.presets import build_model, cache_kwarg, save_pretrained_dir, tiny_moe_config
+from async_rl.model.token_mask import mask_logits, masked_token_ids
 
 LOGPROB_ATOL = 1e-4
 """float32: observed differences are ~1e-6; 1e-4 leaves room for other CPUs' kernels."""
@@ -496,7 +496,7 @@ async def test_concurrent_calls_share_batches():
 
 
 async def test_tied_embeddings_load_under_either_name():
-    from async_rl.models import tiny_dense_config
+    from async_rl.model.presets import tiny_dense_config
 
     config = tiny_dense_config(tie_word_embeddings=True)
     engine = make_engine(build_model(config, seed=0))

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from async_rl import wire
-from async_rl.sampling import Sampling
 from async_rl.wire import PromptSpec, WireError, compact_routes, decode_group, encode_group, encode_group_into
-from async_rl.wire_types import FINISH_REASONS, SCHEMA_VERSION, GroupRecord, Sample
+from async_rl.wire.sampling import Sampling
+from async_rl.wire.types import FINISH_REASONS, SCHEMA_VERSION, GroupRecord, Sample
 
 
 def _sample(n: int = 6, p: int = 4, routes: bool = True, versions: np.ndarray | None = None, **kw) -> Sample:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from actors.generator.config import VLLMEngineConfig
 from actors.generator.engine import SamplingParams
 from actors.generator.vllm_engine import VLLMEngine
-from async_rl.models import ModelConfig, build_model, save_pretrained_dir, small_moe_config
+from async_rl.model.presets import ModelConfig, build_model, save_pretrained_dir, small_moe_config
 
 MODELS = {
     "small-moe 1.8M": {},

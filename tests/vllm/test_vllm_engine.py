@@ -28,12 +28,19 @@ from actors.generator.config import TorchEngineConfig, VLLMEngineConfig
 from actors.generator.engine import Completion, SamplingParams
 from actors.generator.torch_engine import TorchEngine
 from actors.generator.vllm_engine import VLLMEngine
-from async_rl.hf_moe import find_moe_layers, record_routes
-from async_rl.models import ModelConfig, build_model, load_model, save_pretrained_dir, small_moe_config, tiny_moe_config
-from async_rl.token_mask import mask_logits, masked_token_ids
+from async_rl.model.hf_routes import find_moe_layers, record_routes
+from async_rl.model.presets import (
+    ModelConfig,
+    build_model,
+    load_model,
+    save_pretrained_dir,
+    small_moe_config,
+    tiny_moe_config,
+)
+from async_rl.model.token_mask import mask_logits, masked_token_ids
 
 MASKED = torch.tensor(masked_token_ids("tiny-moe"))
-"""The toy tokenizer's pad, bos and unk: masked by both engines by default (async_rl/token_mask.py)."""
+"""The toy tokenizer's pad, bos and unk: masked by both engines by default (async_rl/model/token_mask.py)."""
 
 pytestmark = pytest.mark.vllm
 shared_loop = pytest.mark.asyncio(loop_scope="module")

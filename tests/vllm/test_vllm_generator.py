@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import redis
 
-from async_rl.names import Names
-from async_rl.servers import ServerSet
+from async_rl.run.names import Names
+from async_rl.servers.embedded import ServerSet
 from async_rl.wire import decode_group
 from tests.integration.procs import Procs
 

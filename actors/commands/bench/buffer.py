@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from async_rl.moe import route_dtype
-from async_rl.names import Names
-from async_rl.wire_types import GroupRecord, Sample
+from async_rl.model.moe import route_dtype
+from async_rl.run.names import Names
+from async_rl.wire.types import GroupRecord, Sample
 
 
 def make_group(
@@ -267,7 +267,7 @@ def _machine(info: dict[str, Any]) -> dict[str, Any]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
-    from async_rl.servers import DEFAULT_REDIS_URL, start_redis, url_reachable
+    from async_rl.servers.embedded import DEFAULT_REDIS_URL, start_redis, url_reachable
     from async_rl.wire import encode_group
 
     owned = None

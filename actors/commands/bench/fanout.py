@@ -143,7 +143,7 @@ async def _publisher_worker(args: argparse.Namespace) -> None:
     import torch
     import xxhash
 
-    from async_rl.names import Names
+    from async_rl.run.names import Names
     from async_rl.weights import PublisherConfig, WeightPublisher
     from async_rl.weights.transport import TransportConfig, make_transport
 
@@ -194,7 +194,7 @@ async def _generator_worker(args: argparse.Namespace) -> None:
     import redis.asyncio as aioredis
     import xxhash
 
-    from async_rl.names import Names
+    from async_rl.run.names import Names
     from async_rl.weights import WeightReader
     from async_rl.weights.config import ReaderConfig
     from async_rl.weights.transport import TransportConfig, make_transport
@@ -245,7 +245,7 @@ def _mem_available() -> int:
 
 
 def _start_valkey() -> subprocess.Popen:
-    from async_rl.servers import valkey_binary
+    from async_rl.servers.embedded import valkey_binary
 
     return subprocess.Popen(
         ["ip", "netns", "exec", host_ns(0), str(valkey_binary()), "--bind", host_addr(0), "--port", str(REDIS_PORT),

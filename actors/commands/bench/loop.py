@@ -46,7 +46,7 @@ from typing import Any
 from async_rl.entry import first_sentence
 
 MODELS = ("tiny-moe", "small-moe", "moe-107m", "moe-1.6b")
-"""Presets (``async_rl/models.py``); any other value: a model directory."""
+"""Presets (``async_rl/model/presets.py``); any other value: a model directory."""
 LEARNER_DEFAULTS = ["task.name=copy", "batch_groups=32", "sampling.n=8", "checkpoint.every=10",
                     "metrics.wandb_mode=disabled", "staleness.max_staleness=2"]  # fmt: skip
 """The quickstart's batch (32 prompts x 8 samples) and staleness bound; wandb off (a benchmark, not a run)."""
@@ -265,9 +265,9 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
     """Run the loop ``args`` (of :func:`parse_args`) describes; returns its summary."""
     from actors.commands.bench.report import machine
     from actors.commands.quickstart import spawn_role, stop_roles
-    from async_rl.control import ControlPlane, Heartbeat, LearnerProgress, Message
-    from async_rl.names import Names
-    from async_rl.servers import ensure_servers
+    from async_rl.run.names import Names
+    from async_rl.servers.control import ControlPlane, Heartbeat, LearnerProgress, Message
+    from async_rl.servers.embedded import ensure_servers
 
     run_dir: Path = args.run_dir or Path("runs") / f"bench-loop-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)

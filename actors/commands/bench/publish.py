@@ -80,7 +80,7 @@ class _Trainer:
 
         from actors.learner.build import build_backend
         from actors.learner.config import LearnerConfig
-        from async_rl.configurable import load_config
+        from async_rl.config.configurable import load_config
         from async_rl.tasks.config import build_task
 
         overrides = [*RECIPE, f"model.name={model}", f"batch_groups={args.batch_groups}", f"torch.lr={args.lr}",
@@ -98,9 +98,9 @@ class _Trainer:
 
         from actors.learner.batching import make_micro_batches
         from actors.learner.samples import build_samples
-        from async_rl import tokenizer as tok
         from async_rl.algorithms import make_loss_fn
-        from async_rl.wire_types import GroupRecord, Sample
+        from async_rl.model import toy_tokenizer as tok
+        from async_rl.wire.types import GroupRecord, Sample
 
         cfg, n = self.cfg, self.cfg.sampling.n
         groups = []
@@ -140,7 +140,7 @@ def _hashes(backend: Any) -> dict[str, int]:
 async def _mode(mode: str, args: argparse.Namespace, model: str, redis_url: str) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
-    from async_rl.names import Names
+    from async_rl.run.names import Names
     from async_rl.weights import WeightPublisher, WeightReader
     from async_rl.weights.background import BackgroundPublisher
     from async_rl.weights.config import PublisherConfig
@@ -264,7 +264,7 @@ async def _mode(mode: str, args: argparse.Namespace, model: str, redis_url: str)
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from async_rl.servers import ensure_servers
+    from async_rl.servers.embedded import ensure_servers
 
     load_before = os.getloadavg()
     servers = ensure_servers(args.redis_url, None)

@@ -79,7 +79,7 @@ def _moe_config(target_bytes: float):  # type: ignore[no-untyped-def]
     import torch
     from transformers import AutoModelForCausalLM
 
-    from async_rl.models import preset_config
+    from async_rl.model.presets import preset_config
 
     def cfg(layers: int):  # type: ignore[no-untyped-def]
         return preset_config(
@@ -107,9 +107,9 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
     from actors.generator.engine import SamplingParams
     from actors.generator.torch_engine import TorchEngine
     from actors.generator.weight_sync import WeightSync
-    from async_rl.control import ControlPlane
-    from async_rl.models import ModelConfig, build_model
-    from async_rl.names import Names
+    from async_rl.model.presets import ModelConfig, build_model
+    from async_rl.run.names import Names
+    from async_rl.servers.control import ControlPlane
     from async_rl.weights import WeightPublisher, WeightReader
     from async_rl.weights.config import PublisherConfig
     from async_rl.weights.redis_transport import RespConnection
@@ -292,7 +292,7 @@ async def _measure(target_bytes: float, args: argparse.Namespace, redis_url: str
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from async_rl.servers import ensure_servers
+    from async_rl.servers.embedded import ensure_servers
 
     load_before = os.getloadavg()
     servers = ensure_servers(args.redis_url, args.nats_url)

@@ -55,7 +55,7 @@ from actors.learner.megatron.spec import STACKED_EXPERTS, decoder_block_spec
 from actors.learner.megatron.weights import MegatronWeights
 from async_rl.algorithms.batch import ForwardOutput, LossFn, MicroBatch, StepResult
 from async_rl.algorithms.metrics import parts_to_floats, reduce_metrics
-from async_rl.moe import route_dtype
+from async_rl.model.moe import route_dtype
 
 
 def _te_available() -> bool:

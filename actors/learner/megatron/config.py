@@ -65,7 +65,7 @@ class MegatronConfig:
     """Sampling temperature of the generators: logits are divided by it so logprobs match the behaviour ones."""
     masked_token_ids: tuple[int, ...] = ()
     """Token ids whose logits are masked before the softmax, as the generators mask them (set from
-    ``sampling.mask_special_tokens`` and :func:`async_rl.token_mask.masked_token_ids` of the model)."""
+    ``sampling.mask_special_tokens`` and :func:`async_rl.model.token_mask.masked_token_ids` of the model)."""
     seed: int = 1234
     """Seed of megatron's model-parallel RNG tracker."""
     fused_experts_export: bool = True

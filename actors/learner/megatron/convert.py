@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from async_rl.moe import moe_facts
+from async_rl.model.moe import moe_facts
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3", "qwen2")
 

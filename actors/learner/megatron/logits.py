@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from async_rl import logit_stats
-from async_rl.token_mask import mask_logits
+from async_rl.logprobs import stats as logit_stats
+from async_rl.model.token_mask import mask_logits
 
 
 def batch_major_logits(output_layer: torch.nn.Module) -> None:
@@ -56,7 +56,7 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, 
                 temperature: float = 1.0, masked_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """log p(label) and (optionally) entropy per position from vocab-parallel logits ``[b, s, V/tp]``, fp32, after the
-    sampling mask (``masked_ids``: global token ids) and the temperature. One rank: :func:`async_rl.logit_stats.
+    sampling mask (``masked_ids``: global token ids) and the temperature. One rank: :func:`async_rl.logprobs.stats.
     token_stats` (fused Triton kernels on CUDA, no fp32 copy of the logits)."""
     if tp_size == 1:
         return logit_stats.token_stats(logits, labels, temperature=temperature, masked_ids=masked_ids,

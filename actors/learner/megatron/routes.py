@@ -1,6 +1,6 @@
 """Host-side cutting of recorded expert routes to one Megatron rank (pure numpy, no megatron-core import).
 
-Routes arrive ragged per sample, ``[T_run, moe_layers, top_k]`` (see :mod:`async_rl.wire_types`).
+Routes arrive ragged per sample, ``[T_run, moe_layers, top_k]`` (see :mod:`async_rl.wire.types`).
 megatron-core's ``RouterReplay`` wants, for every router instance that exists on *this* rank (in
 construction order), an int64 ``[tokens_seen_by_this_router, top_k]`` tensor whose rows are in the
 router's own token order: the decoder works in ``[seq, batch, hidden]``, so row ``s * B + b`` is

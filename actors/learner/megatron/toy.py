@@ -15,7 +15,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from async_rl.algorithms.batch import ForwardOutput, MicroBatch
-from async_rl.hf_moe import record_routes
+from async_rl.model.hf_routes import record_routes
 
 
 def toy_config(*, num_layers: int = 4, dense_first: bool = True, vocab_size: int = 512, hidden_size: int = 256,

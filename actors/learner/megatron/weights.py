@@ -4,13 +4,13 @@
   all-gathered over tensor parallelism, gathered to rank 0's host, converted to Hugging Face names
   (:func:`~actors.learner.megatron.convert.mcore_to_hf`): the host transport's path, checkpoints' export.
 * **Per rank, on the GPU** (:meth:`MegatronWeights.gpu_export`, :class:`MegatronGpuExport`): rank 0's
-  :class:`~async_rl.weights.gpu_publisher.GpuPublisher` asks for a version with one backend command (``gpu_fill``):
+  :class:`~async_rl.weights.gpu.publisher.GpuPublisher` asks for a version with one backend command (``gpu_fill``):
   every rank copies its own Hugging Face-named pieces (:func:`~actors.learner.megatron.rank_export.rank_pieces`: its
   tensor-parallel slices, pipeline stage and expert-parallel experts; of replicas only one rank) into its own slot,
   on its side stream, and the ranks' checksums meet on rank 0 in one collective queued behind them
-  (:mod:`async_rl.weights.gpu_ranks`). A same-host generator maps every rank's buffers and assembles the tensors
+  (:mod:`async_rl.weights.gpu.ranks`). A same-host generator maps every rank's buffers and assembles the tensors
   on its own GPU. No gather. Rank 0 feeds the host transport from every rank's slot, copied GPU to GPU to its own
-  (:class:`~async_rl.weights.gpu_ranks.RankMirror`; ranks on other hosts: the gathered export). One rank does the
+  (:class:`~async_rl.weights.gpu.ranks.RankMirror`; ranks on other hosts: the gathered export). One rank does the
   same (its slots then hold the whole version), with the grouped experts' stacked weights as one view each
   (:func:`~actors.learner.megatron.rank_export.stacked_expert_pieces`).
 """
@@ -29,10 +29,10 @@ from actors.learner.megatron.convert import ModelArch, RankNaming, global_name, 
 from actors.learner.megatron.rank_export import rank_pieces, stacked_expert_pieces
 from actors.learner.megatron.spec import STACKED_EXPERTS
 from async_rl.weights.config import PublisherConfig
-from async_rl.weights.cuda_ipc import IpcHandle
-from async_rl.weights.gpu_publisher import local_slots
-from async_rl.weights.gpu_ranks import DistributedGpuSlots
-from async_rl.weights.gpu_slots import GpuExport, GpuFill, GpuSlots, PieceSource, WholeVersion
+from async_rl.weights.gpu.cuda_ipc import IpcHandle
+from async_rl.weights.gpu.publisher import local_slots
+from async_rl.weights.gpu.ranks import DistributedGpuSlots
+from async_rl.weights.gpu.slots import GpuExport, GpuFill, GpuSlots, PieceSource, WholeVersion
 from async_rl.weights.manifest import BucketEntry, ManifestTensor
 from async_rl.weights.snapshot import Piece
 

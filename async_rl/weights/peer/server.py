@@ -82,7 +82,7 @@ class BucketServer:
     bytes_sent: int
     send_rate: float | None
     """Bytes/s of the newest buckets streamed over TCP (a moving average; None before the first): the link's rate as
-    the publisher sees it, which decides whether a delta pays (:mod:`async_rl.weights.gpu_encoder`)."""
+    the publisher sees it, which decides whether a delta pays (:mod:`async_rl.weights.gpu.encoder`)."""
     num_streams: int
     """Children streamed to over TCP right now."""
     _lock: threading.Lock

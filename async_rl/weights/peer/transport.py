@@ -36,9 +36,9 @@ from typing import ClassVar
 import msgpack
 import redis
 
-from async_rl.checksums import CHECKSUMS, checksum_stream
-from async_rl.lifecycle import redact_url
-from async_rl.names import Names
+from async_rl.process.lifecycle import redact_url
+from async_rl.run.names import Names
+from async_rl.weights.checksums import CHECKSUMS, checksum_stream
 from async_rl.weights.peer.config import parse_peer_url
 from async_rl.weights.peer.server import (
     BUSY,

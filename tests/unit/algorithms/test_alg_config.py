@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from async_rl.algorithms import AlgorithmConfig, CorrectionConfig, LossConfig
-from async_rl.configurable import ConfigError, from_dict, load_config
+from async_rl.config.configurable import ConfigError, from_dict, load_config
 
 
 def test_defaults_are_rollout_anchored_cispo_with_every_correction_off() -> None:

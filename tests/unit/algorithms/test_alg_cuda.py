@@ -9,7 +9,7 @@ from _alg_batches import micro_batch
 from async_rl.algorithms import make_loss_fn
 from async_rl.algorithms.batch import ForwardOutput
 from async_rl.algorithms.config import AlgorithmConfig
-from async_rl.configurable import from_dict
+from async_rl.config.configurable import from_dict
 
 CFG = {
     "loss": {"type": "regular", "kl_coef": 0.1, "entropy_coef": 0.01, "reduction": "seq_mean_token_mean"},

@@ -15,7 +15,7 @@ from _alg_batches import micro_batch
 
 from async_rl.algorithms import AlgorithmConfig, compute_advantages, make_loss_fn, reduce_metrics
 from async_rl.algorithms.batch import ForwardOutput
-from async_rl.configurable import from_dict
+from async_rl.config.configurable import from_dict
 
 VOCAB, LENGTH, TARGET = 8, 6, 3
 GROUPS, N = 4, 8

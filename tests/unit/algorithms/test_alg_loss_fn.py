@@ -10,7 +10,7 @@ from _alg_batches import micro_batch, rows
 
 from async_rl.algorithms import AlgorithmConfig, make_loss_fn, reduce_metrics
 from async_rl.algorithms.batch import ForwardOutput
-from async_rl.configurable import from_dict
+from async_rl.config.configurable import from_dict
 
 LN = math.log
 

@@ -10,9 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.algorithms.config import AdvantageConfig, AlgorithmConfig, CorrectionConfig, LossConfig
-from async_rl.algorithms.skyrl import SkyRLConfigError, skyrl_algorithm_config
-from async_rl.configurable import ConfigError, from_dict, load_config, to_dict
+from async_rl.algorithms.config import (
+    AdvantageConfig,
+    AlgorithmConfig,
+    CorrectionConfig,
+    LossConfig,
+    skyrl_algorithm_config,
+)
+from async_rl.algorithms.skyrl import SkyRLConfigError
+from async_rl.config.configurable import ConfigError, from_dict, load_config, to_dict
 
 FIXTURE = Path(__file__).parent / "fixtures" / "skyrl_ppo_base.yaml"
 
@@ -183,7 +189,7 @@ def test_from_skyrl_through_the_learner_cli(tmp_path: Path) -> None:
 
 
 def test_the_bridge_is_torch_free() -> None:
-    probe = (f"import sys; from async_rl.algorithms.skyrl import skyrl_algorithm_config as f; f({str(FIXTURE)!r}); "
+    probe = (f"import sys; from async_rl.algorithms.config import skyrl_algorithm_config as f; f({str(FIXTURE)!r}); "
              "print('torch' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

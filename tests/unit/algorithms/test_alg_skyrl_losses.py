@@ -29,7 +29,7 @@ from _alg_batches import micro_batch
 
 from async_rl.algorithms import AlgorithmConfig, make_loss_fn
 from async_rl.algorithms.batch import ForwardOutput
-from async_rl.configurable import from_dict
+from async_rl.config.configurable import from_dict
 
 F64 = torch.float64
 MASK = torch.tensor([[True, True, True], [True, True, False]])

@@ -186,11 +186,11 @@ def test_local_names_over_pp_and_ep_cover_every_weight_once(te_spec: bool, group
 
 def test_dense_first_layers_are_honoured() -> None:
     """DeepSeek-style ``first_k_dense_replace``: the first k layers have a dense MLP and no router, in the converter
-    exactly as in :mod:`async_rl.moe` (which the engines and the learner's route checks ask too)."""
+    exactly as in :mod:`async_rl.model.moe` (which the engines and the learner's route checks ask too)."""
     from transformers import Qwen3MoeConfig
 
     from actors.learner.megatron.convert import ModelArch
-    from async_rl.moe import moe_facts
+    from async_rl.model.moe import moe_facts
 
     cfg = Qwen3MoeConfig(num_hidden_layers=5, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,

@@ -1,0 +1,32 @@
+"""Configuration of an adapted environment (``task.env``): which one, and the arguments it is built with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from async_rl.tasks.envs.tool_calls import TOOL_PARSERS
+
+
+@dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    """An environment written for another system (``task.name=skyrl_gym`` or ``verifiers``; docs/environments.md)."""
+
+    id: str = ""
+    """skyrl_gym: a registered environment id (``gsm8k_multi_turn``) or ``module:Class`` of a user's
+    ``BaseTextEnv`` (registered under that name), used for rows without an ``env_class``; verifiers: the
+    ``module:function`` that returns the ``vf.Environment`` (``load_environment`` of an installed environment
+    package, e.g. ``my_env:load_environment``)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """skyrl_gym: the ``env_config`` every environment is made with; verifiers: keyword arguments of the
+    function named by ``id``."""
+    tool_parser: str = "hermes"
+    """verifiers: how tool calls are read out of a model turn's text and handed to the environment as structured
+    ``tool_calls`` (``vf.ToolEnv`` needs them): ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``,
+    the format of Qwen2.5/Qwen3 chat templates) or ``none`` (the text as it is)."""
+
+    def __post_init__(self) -> None:
+        if self.id and (" " in self.id or self.id.count(":") > 1):
+            raise ValueError(f"task.env.id must be an environment id or 'module:name', got {self.id!r}")
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"task.env.tool_parser must be one of {list(TOOL_PARSERS)}, got {self.tool_parser!r}")

@@ -1,0 +1,139 @@
+"""Reading a GPU-held weight version on the learner's host: lease, map, copy GPU to GPU, check on the GPU.
+
+:meth:`GpuReader.fetch` takes a short lease on the version (the learner refills no leased slot,
+:mod:`.gpu_publisher`), reads and checks its manifest (HMAC where the run has a secret), maps the learner's
+buckets (:mod:`.cuda_ipc`, once per buffer), copies each into a fresh buffer on the reader's own GPU on a side
+stream, computes every bucket's ``wsum64`` there, and waits once. A version whose checksums differ is
+:class:`~async_rl.weights.reader.CorruptVersion`; one whose copy ended after its lease may have been
+overwritten, so it is discarded (:class:`~async_rl.weights.reader.VersionUnavailable`: the next version comes).
+The tensors it returns are views of the reader's buffers (pieces of several ranks assembled on the GPU), ready
+for :meth:`~actors.generator.engine.Engine.stage_weights`.
+
+:class:`~async_rl.weights.gpu.cuda_ipc.IpcUnavailable` says this process cannot use the path at all (another host
+or namespace, a device it cannot see): the caller then reads versions through the host transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import redis.asyncio as aioredis
+import torch
+
+from async_rl.run.names import Names
+from async_rl.weights.config import ReaderConfig
+from async_rl.weights.gpu.checksum import to_unsigned, wsum64
+from async_rl.weights.gpu.cuda_ipc import IpcMapper, IpcUnavailable, fast_thread_handoffs, host_key
+from async_rl.weights.manifest import DTYPES, Manifest, ManifestTensor
+from async_rl.weights.reader import CorruptVersion, FetchedVersion, VersionUnavailable, read_manifest, take_lease
+from async_rl.weights.signing import run_secret
+
+
+class GpuReader:
+    """Fetches GPU-held versions over CUDA IPC into ``device`` (module docstring)."""
+
+    redis: aioredis.Redis
+    names: Names
+    cfg: ReaderConfig
+    device: torch.device
+    reader_id: str
+    hmac_key: bytes | None
+    mapper: IpcMapper
+    _stream: torch.cuda.Stream | None
+
+    def __init__(self, redis: aioredis.Redis, names: Names, device: torch.device | str, cfg: ReaderConfig | None = None,
+                 reader_id: str | None = None) -> None:  # fmt: skip
+        self.redis, self.names = redis, names
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise IpcUnavailable(f"the GPU weight path needs a CUDA engine, not {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.cfg = cfg or ReaderConfig()
+        self.reader_id = reader_id or uuid.uuid4().hex
+        self.hmac_key = run_secret(self.cfg.secret_file)
+        self.mapper = IpcMapper()
+        self._stream = None
+        fast_thread_handoffs()
+
+    async def latest_version(self) -> int | None:
+        raw = await self.redis.get(self.names.weights_gpu_latest)
+        return None if raw is None else int(raw)
+
+    async def fetch(self, version: int) -> FetchedVersion:
+        """``version`` copied into this reader's GPU and verified (module docstring)."""
+        t0 = time.perf_counter()
+        n = self.names
+        ttl_s = self.cfg.gpu_lease_ttl_s
+        leased_at = time.monotonic()
+        key = n.weights_gpu_manifest(version)
+        if not await take_lease(self.redis, key, n.weights_gpu_readers(version), self.reader_id, ttl_s):
+            raise VersionUnavailable(f"GPU-held weights version {version} is gone (the learner reused its buffers)")
+        try:
+            manifest = await read_manifest(self.redis, key, version, self.hmac_key, "GPU-held weights version",
+                                           "is gone")  # fmt: skip
+            if manifest.ipc is None:
+                raise CorruptVersion(f"GPU-held weights version {version}: the manifest is not one of a GPU version")
+            if manifest.ipc.host != host_key():
+                raise IpcUnavailable("the learner's GPU buffers are on another host (or network/IPC namespace)")
+            t1 = time.perf_counter()
+            buffers, sums = await asyncio.to_thread(self._copy, manifest)
+            transfer_s = time.perf_counter() - t1
+            if time.monotonic() - leased_at >= ttl_s:
+                raise VersionUnavailable(f"GPU-held weights version {version}: the copy outlasted its {ttl_s}s lease "
+                                         "(the learner may have refilled the buffers); discarded")  # fmt: skip
+        finally:
+            await self.redis.zrem(n.weights_gpu_readers(version), self.reader_id)
+        for b, got in zip(manifest.buckets, sums, strict=True):
+            if got != b.checksum:
+                raise CorruptVersion(f"GPU-held weights v{version} bucket {b.index}: wsum64 {got:#x} != manifest "
+                                     f"{b.checksum:#x}")  # fmt: skip
+        tensors = await asyncio.to_thread(self._build, manifest, buffers)
+        return FetchedVersion(version, manifest, tensors, transfer_s, time.perf_counter() - t0, manifest.total_bytes,
+                              (version,))  # fmt: skip
+
+    def _copy(self, manifest: Manifest) -> tuple[list[torch.Tensor], list[int]]:
+        """Worker thread: map, copy and checksum every bucket on a side stream; wait once."""
+        assert manifest.ipc is not None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        stream = self._stream
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            sources = self.mapper.open_all(manifest.ipc.handles, [b.nbytes for b in manifest.buckets])
+            buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=self.device) for b in manifest.buckets]
+            for dst, src in zip(buffers, sources, strict=True):
+                dst.copy_(src, non_blocking=True)
+            sums = torch.stack([wsum64(b) for b in buffers]).cpu() if buffers else torch.zeros(0, dtype=torch.int64)
+        return buffers, [to_unsigned(int(x)) for x in sums.tolist()]
+
+    def _build(self, manifest: Manifest, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Worker thread: each tensor a view of its bucket, or assembled from the pieces of several ranks."""
+        out: dict[str, torch.Tensor] = {}
+        assembling = False
+        with torch.cuda.device(self.device):
+            for t in manifest.tensors:
+                if t.whole:
+                    out[t.name] = _piece(buffers, t, 0)
+                    continue
+                assembling = True
+                full = torch.empty(t.shape, dtype=DTYPES[t.dtype], device=self.device)
+                for i, p in enumerate(t.pieces):
+                    full.narrow(p.dim, p.start, p.length).copy_(_piece(buffers, t, i))
+                out[t.name] = full
+            if assembling:
+                torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    def close(self) -> None:
+        self.mapper.close()
+
+
+def _piece(buffers: list[torch.Tensor], t: ManifestTensor, i: int) -> torch.Tensor:
+    p = t.pieces[i]
+    dtype = DTYPES[t.dtype]
+    shape = p.shape(t.shape)
+    if p.nbytes == 0:
+        return torch.empty(shape, dtype=dtype, device=buffers[0].device if buffers else "cpu")
+    return buffers[p.bucket][p.offset : p.offset + p.nbytes].view(dtype).view(shape)
