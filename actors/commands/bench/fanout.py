@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from actors.commands.bench.cpu_accounting import cpu_times, process_cpu_s
 from actors.commands.bench.netns import (
     NS_PREFIX,
     RUN_TAG,
@@ -96,29 +97,6 @@ def _parse(argv: list[str] | None, prog: str) -> argparse.Namespace:
     if args.fanout < 1 or args.publisher_fanout < 1:
         ap.error("--fanout and --publisher-fanout must be >= 1")
     return args
-
-
-# ---- CPU accounting --------------------------------------------------------------------------
-
-
-def _process_cpu_s(pids: list[int]) -> float:
-    """CPU seconds (user + system, every thread) used so far by the processes ``pids`` (gone ones count 0)."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                fields = fh.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_times() -> tuple[int, int, int]:
-    """Machine-wide CPU ticks: all, idle (idle + iowait), softirq (the kernel's packet processing)."""
-    with open("/proc/stat") as fh:
-        vals = [int(x) for x in fh.readline().split()[1:]]
-    return sum(vals), vals[3] + vals[4], vals[6]
 
 
 # ---- workers (one process per host) ----------------------------------------------------------
@@ -313,7 +291,7 @@ async def _round(
     published = await pub.ask({"cmd": "publish", "prefix": prefix, "url": pub_url, "version": version,
                                "bucket_bytes": args.bucket_mb << 20}, args.timeout_s)  # fmt: skip
     pids = [w.proc.pid for w in (pub, *gens[:n])]
-    tx0, cpu0, proc0 = link_tx_bytes(max(args.host_counts) + 1), _cpu_times(), _process_cpu_s(pids)
+    tx0, cpu0, proc0 = link_tx_bytes(max(args.host_counts) + 1), cpu_times(), process_cpu_s(pids)
     t0 = time.time()
     for w, url in zip(gens[:n], gen_urls, strict=True):
         await w.send({"cmd": "fetch", "prefix": prefix, "url": url, "version": version, "digests": digests})
@@ -326,7 +304,7 @@ async def _round(
     errors = [rep["error"] for rep in replies if "error" in rep]
     if errors:
         raise RuntimeError(f"{mode} N={n}: a generator failed: {errors[0]}")
-    cpu1, proc1 = _cpu_times(), _process_cpu_s(pids)
+    cpu1, proc1 = cpu_times(), process_cpu_s(pids)
     tx1 = link_tx_bytes(max(args.host_counts) + 1)
     ended = await asyncio.gather(*(w.ask({"cmd": "end"}, args.timeout_s) for w in survivors))
     fin = await pub.ask({"cmd": "finish"}, args.timeout_s)
