@@ -192,3 +192,10 @@ def test_the_checks_see_an_undeclared_import_and_a_cycle(tmp_path: Path) -> None
     graph = import_graph(tmp_path, ("async_rl",))
     assert cycles(graph) == [["async_rl.high.b", "async_rl.low.a"]]
     assert undeclared(graph, "low", set()) == ["async_rl.low.a -> async_rl.high.b"]
+
+
+def test_the_architecture_page_names_every_room() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [room for room in ROOMS if f"`{room}/`" not in page and f"`{room}.py`" not in page
+               and f"{room.replace('.', '/')}/" not in page]  # fmt: skip
+    assert not missing, f"docs/architecture.md does not name {missing}"
