@@ -29,6 +29,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "async": ("actors.commands.bench.sync_vs_async:main", "asynchronous vs synchronous RL to a reward, real processes"),
     "loop": ("actors.commands.bench.loop:main", "the whole loop with real processes, N steps, a summary JSON (GPU too)"),
     "staleness": ("actors.commands.bench.staleness:main", "learning vs exact staleness S, per off-policy method (CPU)"),
+    "generate": ("actors.commands.bench.generate:main", "engine tokens/s side by side: torch, vLLM engine, plain vLLM (GPU)"),
     "publish": ("actors.commands.bench.publish:main", "training loop waiting on weight publishing: blocking vs background + deltas"),
 }
 

@@ -89,6 +89,9 @@ class VLLMEngineConfig:
     """Tensor-parallel GPUs per engine."""
     work_dir: str = ""
     """Where a preset is written as a HF directory ('' = a temporary directory removed on close)."""
+    version_labels: Literal["auto", "engine", "front"] = "auto"
+    """Who labels each token with its weight version: vLLM itself (engine, 0.27+), the engine's own process (front,
+    any vLLM; see actors/generator/vllm_compat.py), or auto (engine where vLLM has it)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Further vLLM ``AsyncEngineArgs`` fields, passed through (names are checked)."""
 
@@ -107,6 +110,8 @@ class VLLMEngineConfig:
             raise ValueError("engine.tensor_parallel_size must be >= 1")
         if self.routes not in ("auto", "native", "hooks", "off"):
             raise ValueError(f"engine.routes must be auto, native, hooks or off, got {self.routes!r}")
+        if self.version_labels not in ("auto", "engine", "front"):
+            raise ValueError(f"vllm.version_labels must be auto, engine or front, got {self.version_labels!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,9 +14,13 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from async_rl.weights.gpu.reader import RemoteCopy
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,6 +108,17 @@ class Engine(abc.ABC):
         and dtype (meta tensors) and is checked now (ValueError); the tensors follow through the returned stream,
         each once its bucket was verified. None: this engine takes whole versions only (:meth:`stage_weights`)."""
         return None
+
+    def gpu_copier(self) -> RemoteCopy | None:
+        """How a same-host GPU version reaches this engine when it copies it itself (a vLLM worker maps the
+        learner's buffers): a :data:`~async_rl.weights.gpu.reader.RemoteCopy` for ``GpuReader.fetch``, after which
+        :meth:`stage_copied` hands the verified version over. None: the generator's process copies GPU versions
+        into tensors for :meth:`stage_weights` (or there is no GPU path)."""
+        return None
+
+    def stage_copied(self, version: int) -> None:
+        """Swap in ``version``, already copied by :meth:`gpu_copier`'s copy and verified (engines that have one)."""
+        raise NotImplementedError(f"{type(self).__name__} copies no GPU version itself")
 
     def take_swaps(self) -> list[tuple[int, float]]:
         """(version, unix time) of every swap since the last call, for snapshot-to-applied figures (engines that

@@ -62,9 +62,14 @@ def build_engine(cfg: GeneratorConfig) -> Engine:
 
 
 def gpu_reader(cfg: GeneratorConfig, engine: Engine, redis: aioredis.Redis) -> GpuReader | None:
-    """The same-host GPU weight path for a CUDA torch engine (``weight_sync.gpu``), or None."""
+    """The same-host GPU weight path (``weight_sync.gpu``) for a CUDA torch engine, or an engine that copies GPU
+    versions itself (vLLM on CUDA: this process then never touches CUDA); None otherwise."""
+    if not cfg.weight_sync.gpu:
+        return None
+    if engine.gpu_copier() is not None:
+        return GpuReader(redis, cfg.run.names, None, cfg.weight_sync.reader, reader_id=cfg.generator_id)
     device = getattr(engine, "device", None)
-    if not cfg.weight_sync.gpu or cfg.engine != "torch" or device is None or device.type != "cuda":
+    if cfg.engine != "torch" or device is None or device.type != "cuda":
         return None
     return GpuReader(redis, cfg.run.names, device, cfg.weight_sync.reader, reader_id=cfg.generator_id)
 

@@ -6,18 +6,20 @@
   ``logprobs_mode="processed_logprobs"``: the logprob of each sampled token is taken from the
   distribution it was sampled from (temperature, top-k, top-p applied and renormalised); greedy
   (temperature 0) reports the plain model logprob of the argmax token, like the torch engine.
-* **Versions.** vLLM labels every engine step with a weight version (``update_weight_version``)
-  and returns contiguous spans per request; they become the per-token ``versions`` array. The
-  label is changed only while generation is paused, so each token's version is the version of
-  the weights that produced it, also for a sequence that spans a swap.
-* **Weights.** :meth:`VLLMEngine.stage_weights` (any thread) checks names and shapes against the
-  model's checkpoint and hands the version to a background task: it copies the tensors once into an
-  anonymous memory file and has the worker map them while generation goes on (``arl_stage_weights``;
-  :mod:`.weight_handover` says why vLLM's RPC cannot carry them), then pauses generation
-  (``pause_generation(mode="keep")``: requests stay in place with their KV cache), loads them in
-  place (``arl_apply_staged``, vLLM's layerwise reload), relabels the version and resumes. No file is
-  written. ``last_swap_pause_s`` is the time generation stood still. New requests carry the version in
-  their prefix-cache salt, so no prompt reuses KV computed by older weights.
+* **Versions.** Every engine step is labelled with a weight version, changed only while generation is paused,
+  and each request gets its spans back: vLLM's own labels (0.27+) or the engine's (:mod:`.vllm_compat`). They
+  become the per-token ``versions`` array: each token carries the version of the weights that produced it, also
+  for a sequence that spans a swap.
+* **Weights.** :meth:`VLLMEngine.stage_weights` (any thread) checks names and shapes against the model's
+  checkpoint (:mod:`.vllm_weights`) and hands the version to a background task: it copies the tensors once into
+  an anonymous memory file the worker maps while generation goes on (``arl_stage_weights``; :mod:`.weight_handover`
+  says why vLLM's RPC cannot carry them). On the learner's host a GPU-held version skips all that: the workers map
+  the learner's CUDA IPC buffers and copy it GPU to GPU themselves (:meth:`VLLMEngine.gpu_copier`, ``arl_copy_ipc``),
+  checked against the signed manifest's checksums, then :meth:`VLLMEngine.stage_copied`. Either way the task
+  pauses generation (``pause_generation(mode="keep")``: requests stay in place with their KV cache), loads the
+  version in place (``arl_apply_staged``, vLLM's layerwise reload), relabels and resumes. No file is written.
+  ``last_swap_pause_s`` is the time generation stood still. New requests carry the version in their prefix-cache
+  salt, so no prompt reuses KV computed by older weights.
 * **Routes** (MoE). Where vLLM's own routed-experts output works (CUDA, Model Runner V2) it is
   used (``routes="native"``); on CPU the worker extension of :mod:`actors.generator.vllm_worker`
   captures them in eager mode (``routes="hooks"``, prefix caching off). Either way a sample's
@@ -50,22 +52,28 @@ from actors.generator.config import VLLMEngineConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.model_facts import ModelFacts, read_model_facts
 from actors.generator.vllm_args import build_vllm_args
+from actors.generator.vllm_compat import EngineLabels, FrontLabels, Span, prepare_worker_start, version_labels
+from actors.generator.vllm_weights import CheckpointWeights
 from actors.generator.weight_handover import pack_weights
-from async_rl.model.presets import is_preset, load_model_config, save_pretrained_dir
+from async_rl.model.presets import is_preset, save_pretrained_dir
 from async_rl.model.token_mask import MASKED_LOGIT, masked_token_ids
+from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
+from async_rl.weights.gpu.reader import RemoteCopy
+from async_rl.weights.manifest import Manifest
+from async_rl.weights.reader import CorruptVersion
 
 log = logging.getLogger(__name__)
 
 
-def _version_array(spans: Any, num_tokens: int, fallback: int) -> np.ndarray:
-    """Per-token versions from vLLM's ``WeightVersionSpan`` list (labels are our integer versions)."""
+def _version_array(spans: list[Span], num_tokens: int, fallback: int) -> np.ndarray:
+    """Per-token versions from a request's label spans (labels are our integer versions)."""
     out = np.full(num_tokens, fallback, dtype=np.int32)
-    for span in spans or ():
+    for label, start, end in spans:
         try:
-            v = int(span.version)
+            v = int(label)
         except ValueError:
             v = fallback
-        out[span.start : span.end] = v
+        out[start:end] = v
     return out
 
 
@@ -90,7 +98,8 @@ class VLLMEngine(Engine):
     _llm: Any
     _tmp_dir: Path | None
     _version: int
-    _pending: tuple[Mapping[str, torch.Tensor], int] | None
+    _pending: tuple[Mapping[str, torch.Tensor] | None, int] | None
+    """The next version to swap in: its tensors, or None when the workers already hold it (a GPU copy)."""
     _lock: threading.Lock
     _loop: asyncio.AbstractEventLoop | None
     _ready: asyncio.Task | None
@@ -101,10 +110,11 @@ class VLLMEngine(Engine):
     _ids: itertools.count
     _uid: str
     _closed: bool
-    _meta_model: Any
+    _weights: CheckpointWeights
+    _labels: EngineLabels | FrontLabels | None
+    """Who labels engine steps with weight versions (:mod:`.vllm_compat`); set up on first use."""
     _logit_bias: dict[int, float]
     """The sampling mask as vLLM logit biases (:mod:`async_rl.model.token_mask`), applied when the prompt asks for it."""
-    """The HF model on the meta device (built on first use): maps in-memory names to checkpoint names."""
 
     def __init__(self, config: VLLMEngineConfig) -> None:
         self.config = config
@@ -122,13 +132,14 @@ class VLLMEngine(Engine):
         self._ids = itertools.count()
         self._uid = uuid.uuid4().hex[:6]
         self._closed = False
-        self._meta_model = None
+        self._labels = None
         self.last_swap_pause_s = 0.0
         self.last_stage_s = 0.0
         self.last_load_s = 0.0
         self.last_stage_error = None
         try:
             self.facts = read_model_facts(self._model_dir(config))
+            self._weights = CheckpointWeights(self.facts)
             self._logit_bias = {i: MASKED_LOGIT for i in masked_token_ids(config.model.name)}
             self._start()
         except BaseException:
@@ -151,8 +162,10 @@ class VLLMEngine(Engine):
         return target
 
     def _start(self) -> None:
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        prepare_worker_start(current_platform.is_cuda_alike())
         args = build_vllm_args(self.config, self.facts)
         self.route_mode = args.route_mode
         self.prefix_caching = args.prefix_caching
@@ -183,8 +196,10 @@ class VLLMEngine(Engine):
 
     async def _setup(self) -> None:
         facts = self.facts
-        await self._llm.update_weight_version(str(self._version))
-        infos = await self._llm.collective_rpc("arl_setup", args=(self.route_mode == "hooks", facts.num_experts))
+        self._labels = version_labels(self._llm, self.config.version_labels, str(self._version))
+        await self._labels.set(str(self._version))
+        infos = await self._llm.collective_rpc("arl_setup", args=(self.route_mode == "hooks", facts.num_experts,
+                                                                  str(facts.directory)))
         if self.route_mode == "hooks":
             info = infos[0]
             if info["num_layers"] != len(facts.moe_layer_ids):
@@ -257,8 +272,41 @@ class VLLMEngine(Engine):
             raise RuntimeError("engine is closed")
         if version <= self._version:
             raise ValueError(f"staged version {version} is not newer than the version in use ({self._version})")
-        tensors = self._checkpoint_names(tensors)
-        self._check_tensors(tensors)
+        self._set_pending(self._weights.prepare(tensors), version)
+
+    def gpu_copier(self) -> RemoteCopy | None:
+        """On CUDA the worker copies a same-host GPU version itself (:meth:`_copy_gpu_version`); None elsewhere."""
+        from vllm.platforms import current_platform
+
+        return self._copy_gpu_version if current_platform.is_cuda_alike() else None
+
+    async def _copy_gpu_version(self, manifest: Manifest) -> list[int]:
+        """Every worker maps the learner's buffers and copies the version onto its GPU (generation pauses for the
+        copy's RPC, a few ms); returns the buckets' wsum64 (every rank's must agree) for the caller to check."""
+        await self._ensure_ready()
+        t0 = time.perf_counter()
+        results = await self._llm.collective_rpc("arl_copy_ipc", args=(manifest.encode(), manifest.version))
+        for r in results:
+            if "unavailable" in r:
+                raise IpcUnavailable(f"vLLM's worker cannot map the learner's GPU buffers: {r['unavailable']}")
+        sums = [int(x) for x in results[0]["sums"]]
+        for rank, r in enumerate(results[1:], 1):
+            if [int(x) for x in r["sums"]] != sums:
+                raise CorruptVersion(f"GPU-held weights v{manifest.version}: tensor-parallel rank {rank} copied "
+                                     "other bytes than rank 0")  # fmt: skip
+        self.last_stage_s = time.perf_counter() - t0
+        return sums
+
+    def stage_copied(self, version: int) -> None:
+        """Swap in a version the workers copied and the caller verified (:meth:`gpu_copier`)."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if version <= self._version:
+            raise ValueError(f"staged version {version} is not newer than the version in use ({self._version})")
+        self._set_pending(None, version)
+
+    def _set_pending(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
+        """The version the swap task applies next (None: already staged in the workers); a newer one replaces it."""
         with self._lock:
             self._pending = (tensors, version)
             loop, wake = self._loop, self._wake
@@ -339,10 +387,16 @@ class VLLMEngine(Engine):
         if self.prefix_caching:
             request["cache_salt"] = f"arl-w{self._version}"
         final = None
-        async for out in self._llm.generate(request, sp, rid):
-            final = out
+        assert self._labels is not None
+        try:
+            async for out in self._llm.generate(request, sp, rid):
+                final = out
+        except BaseException:
+            self._labels.forget(rid)
+            raise
         assert final is not None and final.outputs, f"vLLM returned nothing for request {rid}"
         c = final.outputs[0]
+        spans = self._labels.spans(rid, c)
         tokens = np.asarray(c.token_ids, dtype=np.int32)
         logprobs = self._sampled_logprobs(c.logprobs, tokens, rid)
         routes = None
@@ -353,7 +407,7 @@ class VLLMEngine(Engine):
         return Completion(
             token_ids=tokens,
             logprobs=logprobs,
-            versions=_version_array(c.weight_versions, tokens.size, self._version),
+            versions=_version_array(spans, tokens.size, self._version),
             finish_reason=reason,
             routes=routes,
         )
@@ -386,39 +440,6 @@ class VLLMEngine(Engine):
 
     # ---------------------------------------------------------------- weights
 
-    def _checkpoint_names(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        """``tensors`` under the checkpoint's names: transformers' in-memory names (fused experts) are converted."""
-        if set(tensors) <= set(self.facts.shapes):
-            return tensors
-        from transformers import AutoModelForCausalLM
-        from transformers.core_model_loading import revert_weight_conversion
-
-        with self._lock:
-            if self._meta_model is None:
-                with torch.device("meta"):
-                    self._meta_model = AutoModelForCausalLM.from_config(load_model_config(self.facts.directory))
-            meta = self._meta_model
-        if set(tensors) != set(meta.state_dict()):
-            return tensors  # neither naming: _check_tensors says what is wrong
-        try:
-            return revert_weight_conversion(meta, dict(tensors))
-        except Exception as exc:  # a shape or dtype the conversion cannot take
-            raise ValueError(f"staged weights could not be converted to the checkpoint's names: {exc!r}") from exc
-
-    def _check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        shapes = self.facts.shapes
-        unknown = sorted(set(tensors) - set(shapes))
-        if unknown:
-            raise ValueError(f"staged weights name tensors the model does not have: {unknown[:5]}")
-        missing = sorted(set(shapes) - set(tensors))
-        if missing:
-            raise ValueError(f"staged weights miss {len(missing)} tensors of the model, e.g. {missing[:5]}")
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"staged weight {name} is a {type(t).__name__}, not a torch.Tensor")
-            if tuple(t.shape) != shapes[name]:
-                raise ValueError(f"staged weight {name} has shape {tuple(t.shape)}, the model needs {shapes[name]}")
-
     async def _swap_loop(self) -> None:
         assert self._wake is not None
         while True:
@@ -436,23 +457,27 @@ class VLLMEngine(Engine):
                 self.last_stage_error = f"version {version}: {exc!r}"
                 log.exception("could not apply weight version %d; version %d stays in use", version, self._version)
 
-    async def _apply(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    async def _apply(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
         llm = self._llm
         t0 = time.perf_counter()
-        packed = await asyncio.to_thread(pack_weights, tensors)
-        try:
-            await llm.collective_rpc("arl_stage_weights", args=(packed.handle, version))
-        finally:
-            packed.close()  # the worker holds its own mapping now
+        if tensors is not None:  # a host version: into the workers now (a GPU copy is there already)
+            packed = await asyncio.to_thread(pack_weights, tensors)
+            try:
+                await llm.collective_rpc("arl_stage_weights", args=(packed.handle, version))
+            finally:
+                packed.close()  # the worker holds its own mapping now
         t1 = time.perf_counter()
         await llm.pause_generation(mode="keep", clear_cache=False)
         try:
             load_s = (await llm.collective_rpc("arl_apply_staged", args=(version,)))[0]
-            await llm.update_weight_version(str(version))
+            assert self._labels is not None
+            await self._labels.set(str(version))
         finally:
             await llm.resume_generation()
         t2 = time.perf_counter()
-        self.last_stage_s, self.last_swap_pause_s, self.last_load_s = t1 - t0, t2 - t1, float(load_s)
+        if tensors is not None:
+            self.last_stage_s = t1 - t0
+        self.last_swap_pause_s, self.last_load_s = t2 - t1, float(load_s)
         self._version = version
         if self.prefix_caching:
             await llm.reset_prefix_cache()  # frees blocks of older versions (new requests are salted anyway)

@@ -13,8 +13,14 @@ worker process that holds the model and are called from the engine with
   request is never run through the model, so its routes cover one token fewer than
   prompt + response; positions served from the prefix cache are not run either, so the engine
   turns prefix caching off when it captures routes this way.
+* **GPU versions straight from the learner.** On the learner's host, :meth:`arl_copy_ipc` maps the learner's
+  buffers from the manifest's CUDA IPC handles (:mod:`async_rl.weights.gpu.cuda_ipc`, kept mapped across
+  versions), copies the version onto this worker's GPU, computes every bucket's wsum64 there and returns them: the
+  engine's process holds the lease and checks them against the signed manifest before it asks for the swap. With
+  tensor parallelism every rank copies the whole version (vLLM's loaders cut each rank's shard from it).
 * **In-place weight loads.** A new version is mapped from the engine's anonymous memory file
-  (:meth:`arl_stage_weights`, while generation goes on; :mod:`actors.generator.weight_handover`) and
+  (:meth:`arl_stage_weights`, while generation goes on; :mod:`actors.generator.weight_handover`) or copied as
+  above, and
   loaded in place from those pages (:meth:`arl_apply_staged`, while the engine is paused) through
   vLLM's layerwise ``reload_weights``, which feeds the model's ``load_weights``. On CPU the experts
   kernel's ``process_weights_after_loading`` (its prepack into the grouped-GEMM layout) is then run
@@ -35,6 +41,9 @@ from async_rl.model.moe import route_dtype
 
 ROUTE_CHUNK_TOKENS = 256
 """Per-request route buffers grow in steps of this many positions (a few KB each for small models)."""
+STAGED_KEPT = 2
+"""Versions a worker holds staged at most: the one waiting for its swap and a newer one arriving meanwhile (a GPU
+version costs one model's memory on the worker's GPU each)."""
 
 
 class _RequestRoutes:
@@ -136,11 +145,18 @@ class _RouteCapture:
 class ArlWorkerExtension:
     """Methods mixed into vLLM's worker (``worker_extension_cls``); all names start with ``arl_``."""
 
-    def arl_setup(self, capture_routes: bool, num_experts: int) -> dict[str, int]:
+    def arl_setup(self, capture_routes: bool, num_experts: int, model_dir: str) -> dict[str, int]:
         """Install the route capture (when asked); return what the engine needs to know."""
+        from pathlib import Path
+
+        from actors.generator.model_facts import read_model_facts
+        from actors.generator.vllm_weights import CheckpointWeights
+
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        self._arl_staged: tuple[list[tuple[str, torch.Tensor]], int] | None = None
+        self._arl_staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._arl_routes: _RouteCapture | None = None
+        self._arl_weights = CheckpointWeights(read_model_facts(Path(model_dir)))
+        self._arl_ipc: Any = None
         if capture_routes:
             dtype = route_dtype(num_experts)
             self._arl_routes = _RouteCapture(self.model_runner, model, dtype)  # type: ignore[attr-defined]
@@ -157,26 +173,62 @@ class ArlWorkerExtension:
             return {}
         return {rid: (a.tobytes(), list(a.shape), a.dtype.str) for rid, a in routes.take(external_ids).items()}
 
+    def _arl_keep(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Hold ``version`` staged until :meth:`arl_apply_staged`; only the newest :data:`STAGED_KEPT` stay."""
+        staged = self._arl_staged
+        staged[version] = named
+        for old in sorted(staged)[:-STAGED_KEPT]:
+            del staged[old]
+
     def arl_stage_weights(self, handle: Handle, version: int) -> float:
         """Map a full weight version the engine packed in memory (no copy, see :mod:`.weight_handover`) and keep
-        it until :meth:`arl_apply_staged` (a newer one replaces it). Returns seconds spent."""
+        it until :meth:`arl_apply_staged`. Returns seconds spent."""
         t0 = time.perf_counter()
-        self._arl_staged = None  # let an older, never applied version's mapping go first
-        self._arl_staged = (map_weights(handle), version)
+        self._arl_keep(version, map_weights(handle))
         return time.perf_counter() - t0
+
+    def arl_copy_ipc(self, manifest: bytes, version: int) -> dict[str, Any]:
+        """Copy a GPU-held version from the learner's buffers onto this worker's GPU and keep it staged (module
+        docstring). Returns ``{"sums": [wsum64 per bucket], "s": seconds}``, or ``{"unavailable": why}`` when this
+        worker cannot map the buffers (another host or namespace, a device it cannot see)."""
+        from async_rl.weights.gpu.cuda_ipc import IpcMapper, IpcUnavailable
+        from async_rl.weights.gpu.reader import assemble, copy_buckets
+        from async_rl.weights.manifest import Manifest
+
+        t0 = time.perf_counter()
+        m = Manifest.decode(manifest)
+        device = torch.device("cuda", torch.cuda.current_device())
+        if self._arl_ipc is None:
+            self._arl_ipc = (IpcMapper(), torch.cuda.Stream(device=device))
+        mapper, stream = self._arl_ipc
+        try:
+            buffers, sums = copy_buckets(m, device, mapper, stream)
+        except IpcUnavailable as exc:
+            return {"unavailable": str(exc)}
+        tensors = self._arl_weights.prepare(assemble(m, buffers, device))
+        self._arl_keep(version, list(tensors.items()))
+        return {"sums": sums, "s": time.perf_counter() - t0}
 
     def arl_apply_staged(self, version: int) -> float:
         """Load the staged version in place (call with the engine paused); returns seconds spent."""
-        staged = getattr(self, "_arl_staged", None)
-        if staged is None or staged[1] != version:
-            have = None if staged is None else staged[1]
-            raise RuntimeError(f"weight version {version} is not staged in the worker (staged: {have})")
+        staged = self._arl_staged
+        if version not in staged:
+            raise RuntimeError(f"weight version {version} is not staged in the worker (staged: {sorted(staged)})")
         t0 = time.perf_counter()
-        named, _ = staged
-        self._arl_staged = None
+        named = staged.pop(version)
+        for old in [v for v in staged if v < version]:
+            del staged[old]
         self.model_runner.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
         self._arl_reprocess_moe()
         return time.perf_counter() - t0
+
+    def arl_param_digest(self) -> dict[str, str]:
+        """A SHA-1 of every parameter's bytes as loaded on this rank (tests check weight loads bit for bit)."""
+        import hashlib
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {name: hashlib.sha1(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()).hexdigest()
+                for name, p in model.named_parameters()}  # fmt: skip
 
     def _arl_reprocess_moe(self) -> None:
         """Re-run the CPU experts' prepack, which vLLM runs only on the first load (see the module docstring)."""

@@ -330,15 +330,19 @@ class WeightSync:
         """Fetch ``target`` and hand it to the engine (in parts as it arrives where the engine takes them); over the
         GPU path when it is a GPU-held version this process can map."""
         if self.gpu is not None and target <= self.gpu_wanted:
+            copier = self.engine.gpu_copier()  # an engine that copies GPU versions itself (vLLM's workers)
             try:
-                fetched = await self.gpu.fetch(target)
+                fetched = await self.gpu.fetch(target, copy=copier)
             except IpcUnavailable as exc:
                 self._drop_gpu(exc)
                 if self.host_wanted <= self.staged_version:
                     raise VersionUnavailable(f"weights version {target} is held on the learner's GPU only") from None
                 target = self.host_wanted
             else:
-                self.engine.stage_weights(fetched.tensors, fetched.version)
+                if copier is not None:
+                    self.engine.stage_copied(fetched.version)
+                else:
+                    self.engine.stage_weights(fetched.tensors, fetched.version)
                 return fetched
         streams: list[StagingStream] = []
         try:

@@ -28,6 +28,8 @@ heartbeats' ``generate_s``), ``reward_curve`` ([step, seconds, reward, exact mat
 the same seeded weights): Qwen3-MoE, 8 layers, hidden 512, 32 experts top-4, 107M parameters, 214 MB in bf16.
 ``moe-1.6b`` is the weight path's: 16 layers, hidden 1024, 64 experts top-8, 1.65B parameters, 3.3 GB in bf16
 (``--generator-devices cuda:0,cuda:1`` puts one generator beside the learner and one on the second GPU).
+``--generator-engine vllm`` runs vLLM generators instead (each sees only its GPU); the summary names the engine
+(``generator_engine``).
 """
 
 from __future__ import annotations
@@ -74,9 +76,13 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
                    help="a new directory (one holding a run is refused: a benchmark starts fresh); default runs/bench-loop-<time>")
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE", help="extra learner override")
     p.add_argument("--generator", action="append", default=[], metavar="KEY=VALUE", help="extra generator override")
+    p.add_argument("--generator-engine", choices=("torch", "vllm"), default="torch",
+                   help="the generators' engine (vllm: GPU only; each on the GPU --generator-devices gives it)")
     p.add_argument("--generator-devices", default="",
                    help="comma-separated torch.device of each generator in turn (e.g. cuda:0,cuda:1); default --device")
     args = p.parse_args(argv)
+    if args.generator_engine == "vllm" and args.device != "cuda":
+        p.error("--generator-engine vllm needs --device cuda (vLLM's CPU build is for tests, not benchmarks)")
     if args.steps < 1 or args.generators < 1 or args.learner_nproc < 1:
         p.error("--steps, --generators and --learner-nproc must be >= 1")
     if args.learner_nproc > 1 and args.backend != "megatron":
@@ -108,12 +114,29 @@ def commands(args: argparse.Namespace, model: str, prefix: str, redis_url: str, 
     gens = []
     devices = [d for d in args.generator_devices.split(",") if d] or [args.device]
     for i in range(args.generators):
+        device = devices[i % len(devices)]
+        launch = [sys.executable, "-m", "actors.commands", "generator"]
+        if args.generator_engine == "vllm":
+            g = [*common, f"generator_id=gen-{i}", "task.name=copy", "engine=vllm", f"vllm.model.name={model}",
+                 "vllm.model.dtype=bfloat16", *args.generator]  # fmt: skip
+            if device.startswith("cuda:"):  # vLLM runs on the first visible GPU; the others stay visible for IPC
+                launch = ["env", f"CUDA_VISIBLE_DEVICES={_gpu_first(int(device.split(':', 1)[1]))}", *launch]
+            gens.append([*launch, *g])
+            continue
         g = [*common, f"generator_id=gen-{i}", "task.name=copy", f"torch.model.name={model}",
-             f"torch.device={devices[i % len(devices)]}", *args.generator]  # fmt: skip
+             f"torch.device={device}", *args.generator]  # fmt: skip
         if args.device == "cpu":
             g.append("torch.num_threads=1")
-        gens.append([sys.executable, "-m", "actors.commands", "generator", *g])
+        gens.append([*launch, *g])
     return learner_cmd, gens
+
+
+def _gpu_first(index: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` with GPU ``index`` first and every other GPU after it (so a vLLM generator runs on
+    ``index`` and can still map the learner's weight buffers on the others over CUDA IPC)."""
+    import torch
+
+    return ",".join(str(i) for i in [index, *(j for j in range(torch.cuda.device_count()) if j != index)])
 
 
 def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any], warmup: int, t0: float,
@@ -315,7 +338,8 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "bench": "loop", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(args.device),
         "model": args.model, "backend": args.backend, "device": args.device, "learner_nproc": args.learner_nproc,
-        "generators": args.generators, "lr": args.lr, "learner_overrides": args.learner,
+        "generators": args.generators, "generator_engine": args.generator_engine,
+        "generator_devices": args.generator_devices or args.device, "lr": args.lr, "learner_overrides": args.learner,
         "generator_overrides": args.generator, "outcome": outcome, "wall_s": round(time.time() - t0, 1),
         **summarize(events, beats, args.warmup_steps, t0, args.target), "tracebacks": tracebacks(run_dir),
         "run_dir": str(run_dir),

@@ -7,7 +7,9 @@ stream, computes every bucket's ``wsum64`` there, and waits once. A version whos
 :class:`~async_rl.weights.reader.CorruptVersion`; one whose copy ended after its lease may have been
 overwritten, so it is discarded (:class:`~async_rl.weights.reader.VersionUnavailable`: the next version comes).
 The tensors it returns are views of the reader's buffers (pieces of several ranks assembled on the GPU), ready
-for :meth:`~actors.generator.engine.Engine.stage_weights`.
+for :meth:`~actors.generator.engine.Engine.stage_weights`. With ``copy`` the copy is made elsewhere (a vLLM worker
+maps the learner's buffers itself, :func:`copy_buckets` there): this process takes the lease, checks the manifest
+and the checksums the copy reports, and never touches CUDA (``device=None``).
 
 :class:`~async_rl.weights.gpu.cuda_ipc.IpcUnavailable` says this process cannot use the path at all (another host
 or namespace, a device it cannot see): the caller then reads versions through the host transport.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 import torch
@@ -30,6 +33,9 @@ from async_rl.weights.manifest import DTYPES, Manifest, ManifestTensor
 from async_rl.weights.reader import CorruptVersion, FetchedVersion, VersionUnavailable, read_manifest, take_lease
 from async_rl.weights.signing import run_secret
 
+RemoteCopy = Callable[[Manifest], Awaitable[list[int]]]
+"""Copies a GPU-held version somewhere else (e.g. inside a vLLM worker) and returns every bucket's wsum64."""
+
 
 class GpuReader:
     """Fetches GPU-held versions over CUDA IPC into ``device`` (module docstring)."""
@@ -37,19 +43,20 @@ class GpuReader:
     redis: aioredis.Redis
     names: Names
     cfg: ReaderConfig
-    device: torch.device
+    device: torch.device | None
+    """Where this process copies versions (None: it never does; every fetch passes ``copy``)."""
     reader_id: str
     hmac_key: bytes | None
     mapper: IpcMapper
     _stream: torch.cuda.Stream | None
 
-    def __init__(self, redis: aioredis.Redis, names: Names, device: torch.device | str, cfg: ReaderConfig | None = None,
-                 reader_id: str | None = None) -> None:  # fmt: skip
+    def __init__(self, redis: aioredis.Redis, names: Names, device: torch.device | str | None,
+                 cfg: ReaderConfig | None = None, reader_id: str | None = None) -> None:  # fmt: skip
         self.redis, self.names = redis, names
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
+        self.device = None if device is None else torch.device(device)
+        if self.device is not None and self.device.type != "cuda":
             raise IpcUnavailable(f"the GPU weight path needs a CUDA engine, not {self.device}")
-        if self.device.index is None:
+        if self.device is not None and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.cfg = cfg or ReaderConfig()
         self.reader_id = reader_id or uuid.uuid4().hex
@@ -62,8 +69,9 @@ class GpuReader:
         raw = await self.redis.get(self.names.weights_gpu_latest)
         return None if raw is None else int(raw)
 
-    async def fetch(self, version: int) -> FetchedVersion:
-        """``version`` copied into this reader's GPU and verified (module docstring)."""
+    async def fetch(self, version: int, copy: RemoteCopy | None = None) -> FetchedVersion:
+        """``version`` copied into this reader's GPU and verified (module docstring); with ``copy``, copied by
+        ``copy(manifest)`` (which returns every bucket's wsum64) and verified here: the result then has no tensors."""
         t0 = time.perf_counter()
         n = self.names
         ttl_s = self.cfg.gpu_lease_ttl_s
@@ -79,7 +87,11 @@ class GpuReader:
             if manifest.ipc.host != host_key():
                 raise IpcUnavailable("the learner's GPU buffers are on another host (or network/IPC namespace)")
             t1 = time.perf_counter()
-            buffers, sums = await asyncio.to_thread(self._copy, manifest)
+            buffers: list[torch.Tensor] = []
+            if copy is not None:
+                sums = await copy(manifest)
+            else:
+                buffers, sums = await asyncio.to_thread(self._copy, manifest)
             transfer_s = time.perf_counter() - t1
             if time.monotonic() - leased_at >= ttl_s:
                 raise VersionUnavailable(f"GPU-held weights version {version}: the copy outlasted its {ttl_s}s lease "
@@ -90,41 +102,19 @@ class GpuReader:
             if got != b.checksum:
                 raise CorruptVersion(f"GPU-held weights v{version} bucket {b.index}: wsum64 {got:#x} != manifest "
                                      f"{b.checksum:#x}")  # fmt: skip
-        tensors = await asyncio.to_thread(self._build, manifest, buffers)
+        tensors: dict[str, torch.Tensor] = {}
+        if copy is None:
+            assert self.device is not None
+            tensors = await asyncio.to_thread(assemble, manifest, buffers, self.device)
         return FetchedVersion(version, manifest, tensors, transfer_s, time.perf_counter() - t0, manifest.total_bytes,
                               (version,))  # fmt: skip
 
     def _copy(self, manifest: Manifest) -> tuple[list[torch.Tensor], list[int]]:
-        """Worker thread: map, copy and checksum every bucket on a side stream; wait once."""
-        assert manifest.ipc is not None
+        if self.device is None:
+            raise RuntimeError("this GpuReader has no device: pass copy= to fetch")
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
-        stream = self._stream
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            sources = self.mapper.open_all(manifest.ipc.handles, [b.nbytes for b in manifest.buckets])
-            buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=self.device) for b in manifest.buckets]
-            for dst, src in zip(buffers, sources, strict=True):
-                dst.copy_(src, non_blocking=True)
-            sums = torch.stack([wsum64(b) for b in buffers]).cpu() if buffers else torch.zeros(0, dtype=torch.int64)
-        return buffers, [to_unsigned(int(x)) for x in sums.tolist()]
-
-    def _build(self, manifest: Manifest, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Worker thread: each tensor a view of its bucket, or assembled from the pieces of several ranks."""
-        out: dict[str, torch.Tensor] = {}
-        assembling = False
-        with torch.cuda.device(self.device):
-            for t in manifest.tensors:
-                if t.whole:
-                    out[t.name] = _piece(buffers, t, 0)
-                    continue
-                assembling = True
-                full = torch.empty(t.shape, dtype=DTYPES[t.dtype], device=self.device)
-                for i, p in enumerate(t.pieces):
-                    full.narrow(p.dim, p.start, p.length).copy_(_piece(buffers, t, i))
-                out[t.name] = full
-            if assembling:
-                torch.cuda.current_stream(self.device).synchronize()
-        return out
+        return copy_buckets(manifest, self.device, self.mapper, self._stream)
 
     def close(self) -> None:
         self.mapper.close()
@@ -137,3 +127,36 @@ def _piece(buffers: list[torch.Tensor], t: ManifestTensor, i: int) -> torch.Tens
     if p.nbytes == 0:
         return torch.empty(shape, dtype=dtype, device=buffers[0].device if buffers else "cpu")
     return buffers[p.bucket][p.offset : p.offset + p.nbytes].view(dtype).view(shape)
+
+
+def copy_buckets(manifest: Manifest, device: torch.device, mapper: IpcMapper,
+                 stream: torch.cuda.Stream) -> tuple[list[torch.Tensor], list[int]]:  # fmt: skip
+    """Map, copy into fresh buffers on ``device`` and checksum every bucket of a GPU-held version on ``stream``;
+    waits once. Returns the buffers and each bucket's wsum64 (for the caller to compare with the manifest)."""
+    assert manifest.ipc is not None
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        sources = mapper.open_all(manifest.ipc.handles, [b.nbytes for b in manifest.buckets])
+        buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in manifest.buckets]
+        for dst, src in zip(buffers, sources, strict=True):
+            dst.copy_(src, non_blocking=True)
+        sums = torch.stack([wsum64(b) for b in buffers]).cpu() if buffers else torch.zeros(0, dtype=torch.int64)
+    return buffers, [to_unsigned(int(x)) for x in sums.tolist()]
+
+
+def assemble(manifest: Manifest, buffers: list[torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Each tensor a view of its bucket, or assembled on ``device`` from the pieces of several ranks."""
+    out: dict[str, torch.Tensor] = {}
+    assembling = False
+    with torch.cuda.device(device):
+        for t in manifest.tensors:
+            if t.whole:
+                out[t.name] = _piece(buffers, t, 0)
+                continue
+            assembling = True
+            full = torch.empty(t.shape, dtype=DTYPES[t.dtype], device=device)
+            for i, p in enumerate(t.pieces):
+                full.narrow(p.dim, p.start, p.length).copy_(_piece(buffers, t, i))
+            out[t.name] = full
+        if assembling:
+            torch.cuda.current_stream(device).synchronize()
+    return out

@@ -1,0 +1,205 @@
+"""``async-rl bench generate``: engine throughput side by side, the same model, prompts, lengths and sampling.
+
+Engines, each in a process of its own (one after the other, so each has the GPU to itself):
+
+* ``torch``: the project's torch engine (Hugging Face eager decoding with a static KV cache);
+* ``vllm``: the project's vLLM engine as a generator runs it (logprobs of every token, per-token versions,
+  routes as ``vllm.routes=auto`` resolves them: vLLM's native routed experts on CUDA);
+* ``vllm-noroutes``: the same with routes off;
+* ``vllm-raw``: plain ``vllm.LLM.generate`` on the same model directory (no logprobs, no routes).
+
+Every prompt is ``--prompt-tokens`` random ids of the model's vocabulary (seeded; special tokens left out) and
+every sample decodes exactly ``--new-tokens`` tokens at temperature 1 (end-of-sequence ignored, no per-request
+seed: vLLM samples seeded requests on a slower path), so each engine
+does the same work. One small batch warms each engine up first (vLLM compiles its fused-MoE kernel on the first
+batch); the timed call is one batch of all prompts. ``tokens_per_s`` counts generated tokens per second per GPU.
+
+    async-rl bench generate --json docs/benchmarks/generate-h100-moe-1.6b.json --model moe-1.6b
+
+Summary: ``bench`` ("generate"), ``machine``, the workload, ``results`` (one per engine: ``engine``,
+``tokens_per_s``, ``wall_s``, ``tokens``, ``startup_s``) and ``ratios`` (``vllm_vs_torch``, ``vllm_vs_raw``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from async_rl.entry import first_sentence
+
+ENGINES = ("torch", "vllm", "vllm-noroutes", "vllm-raw")
+WARMUP_PROMPTS = 8
+WARMUP_TOKENS = 16
+RESULT_PREFIX = "BENCH-GENERATE-RESULT "
+"""The line a child process prints its result on (its other output is the engine's log)."""
+
+
+def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
+    p.add_argument("--json", type=Path, help="write the summary here")
+    p.add_argument("--model", default="moe-1.6b", help="a preset (async_rl/model/presets.py) or a HF model directory")
+    p.add_argument("--engines", default="torch,vllm,vllm-raw", help=f"comma-separated, of {', '.join(ENGINES)}")
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--device", default="cuda", help="the torch engine's device (vLLM takes the first visible GPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="both vLLM variants")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--one", choices=ENGINES, help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    engines = [e for e in args.engines.split(",") if e]
+    bad = sorted(set(engines) - set(ENGINES))
+    if bad or not engines:
+        p.error(f"--engines must name some of {', '.join(ENGINES)}, got {args.engines!r}")
+    if min(args.prompts, args.prompt_tokens, args.new_tokens) < 1:
+        p.error("--prompts, --prompt-tokens and --new-tokens must be >= 1")
+    args.engine_list = engines
+    return args
+
+
+def _prompts(model_dir: Path, args: argparse.Namespace) -> list[Any]:
+    import numpy as np
+
+    from async_rl.model.presets import load_model_config
+    from async_rl.model.token_mask import masked_token_ids
+
+    cfg = load_model_config(model_dir)
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    banned = set(masked_token_ids(str(model_dir))) | {int(e) for e in eos if e is not None}
+    allowed = np.array([i for i in range(cfg.vocab_size) if i not in banned], dtype=np.int32)
+    rng = np.random.default_rng(args.seed)
+    return [allowed[rng.integers(0, allowed.size, args.prompt_tokens)] for _ in range(args.prompts)]
+
+
+def _max_len(args: argparse.Namespace) -> int:
+    return args.prompt_tokens + args.new_tokens + 8
+
+
+async def _run_project_engine(engine_name: str, model_dir: Path, args: argparse.Namespace,
+                              prompts: list[Any]) -> tuple[float, int, float]:  # fmt: skip
+    from actors.generator.config import TorchEngineConfig, VLLMEngineConfig
+    from actors.generator.engine import SamplingParams
+    from async_rl.model.config import ModelConfig
+
+    model = ModelConfig(name=str(model_dir), dtype="bfloat16")
+    t0 = time.perf_counter()
+    engine: Any
+    if engine_name == "torch":
+        from actors.generator.torch_engine import TorchEngine
+
+        engine = TorchEngine(TorchEngineConfig(model=model, device=args.device, max_batch_prompts=len(prompts),
+                                               max_batch_sequences=len(prompts), stop_on_eos=False, num_threads=0))
+    else:
+        from actors.generator.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(VLLMEngineConfig(
+            model=model, max_batch_prompts=len(prompts), max_num_seqs=len(prompts), max_model_len=_max_len(args),
+            gpu_memory_utilization=args.gpu_memory_utilization, stop_on_eos=False, seed=args.seed,
+            routes="off" if engine_name == "vllm-noroutes" else "auto"))  # fmt: skip
+    startup_s = time.perf_counter() - t0
+    try:
+        warm = SamplingParams(max_new_tokens=WARMUP_TOKENS, mask_special_tokens=False)
+        await engine.generate(prompts[:WARMUP_PROMPTS], warm)
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, mask_special_tokens=False)
+        t1 = time.perf_counter()
+        out = await engine.generate(prompts, params)
+        wall_s = time.perf_counter() - t1
+    finally:
+        await engine.close()
+    return wall_s, sum(int(c.token_ids.size) for group in out for c in group), startup_s
+
+
+def _run_raw(model_dir: Path, args: argparse.Namespace, prompts: list[Any]) -> tuple[float, int, float]:
+    from vllm import LLM
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=args.seed,
+              max_num_seqs=len(prompts), max_model_len=_max_len(args),
+              gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+    startup_s = time.perf_counter() - t0
+    requests = [TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts]
+    warm = VSamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, detokenize=False)
+    llm.generate(requests[:WARMUP_PROMPTS], warm, use_tqdm=False)
+    params = VSamplingParams(max_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, detokenize=False)
+    t1 = time.perf_counter()
+    out = llm.generate(requests, params, use_tqdm=False)
+    wall_s = time.perf_counter() - t1
+    return wall_s, sum(len(o.outputs[0].token_ids) for o in out), startup_s
+
+
+def _child(args: argparse.Namespace) -> int:
+    model_dir = Path(args.model_dir)
+    prompts = _prompts(model_dir, args)
+    if args.one == "vllm-raw":
+        wall_s, tokens, startup_s = _run_raw(model_dir, args, prompts)
+    else:
+        wall_s, tokens, startup_s = asyncio.run(_run_project_engine(args.one, model_dir, args, prompts))
+    expected = args.prompts * args.new_tokens
+    result = {"engine": args.one, "tokens_per_s": round(tokens / wall_s, 1), "wall_s": round(wall_s, 3),
+              "tokens": tokens, "expected_tokens": expected, "startup_s": round(startup_s, 1)}  # fmt: skip
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0 if tokens == expected else 1
+
+
+def _model_dir(model: str, root: Path) -> Path:
+    from async_rl.model.presets import is_preset, save_pretrained_dir
+
+    if not is_preset(model):
+        return Path(model)
+    target = root / model
+    save_pretrained_dir(target, preset=model, seed=0, dtype="bfloat16")
+    return target
+
+
+def main(argv: list[str] | None = None, prog: str = "async-rl bench generate") -> int:
+    args = parse_args(argv, prog)
+    if args.one:
+        return _child(args)
+    from actors.commands.bench.report import emit, machine
+
+    results: list[dict[str, Any]] = []
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="arl-bench-generate-") as tmp:
+        model_dir = _model_dir(args.model, Path(tmp))
+        for engine in args.engine_list:
+            cmd = [sys.executable, "-m", "actors.commands.bench.generate", "--one", engine, "--model-dir",
+                   str(model_dir), "--prompts", str(args.prompts), "--prompt-tokens", str(args.prompt_tokens),
+                   "--new-tokens", str(args.new_tokens), "--device", args.device, "--seed", str(args.seed),
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization)]  # fmt: skip
+            print(f"bench generate: {engine} ...", file=sys.stderr, flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+            if proc.returncode != 0 or not lines:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+                failures.append(f"{engine}: exit {proc.returncode}: " + " | ".join(tail))
+                print(f"bench generate: {engine} failed (exit {proc.returncode}):\n" + "\n".join(tail), file=sys.stderr)
+            if lines:
+                results.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
+    rate = {r["engine"]: r["tokens_per_s"] for r in results}
+    ratios = {}
+    if "vllm" in rate and "torch" in rate:
+        ratios["vllm_vs_torch"] = round(rate["vllm"] / rate["torch"], 2)
+    if "vllm" in rate and "vllm-raw" in rate:
+        ratios["vllm_vs_raw"] = round(rate["vllm"] / rate["vllm-raw"], 3)
+    if "vllm-noroutes" in rate and "vllm-raw" in rate:
+        ratios["vllm_noroutes_vs_raw"] = round(rate["vllm-noroutes"] / rate["vllm-raw"], 3)
+    summary = {"bench": "generate", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(args.device),
+               "model": args.model, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
+               "new_tokens": args.new_tokens, "temperature": 1.0, "results": results, "ratios": ratios,
+               "failures": failures}  # fmt: skip
+    emit(summary, args.json)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

