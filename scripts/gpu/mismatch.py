@@ -54,7 +54,7 @@ async def _sample(engine_name: str, model_dir: Path, prompts: list[np.ndarray], 
     if engine_name == "torch":
         from actors.generator.torch_engine import TorchEngine
 
-        engine = TorchEngine(TorchEngineConfig(model=model, device="cuda", stop_on_eos=False, num_threads=0))
+        engine = TorchEngine(TorchEngineConfig(model=model, device=args.device, stop_on_eos=False, num_threads=0))
     else:
         from actors.generator.vllm_engine import VLLMEngine
 
@@ -96,7 +96,7 @@ def _stats(learner_lp: torch.Tensor, mb: Any) -> dict[str, float]:
     }  # fmt: skip
 
 
-def _learners(model_dir: Path) -> list[tuple[str, str, Any]]:
+def _learners(model_dir: Path, device: str) -> list[tuple[str, str, Any]]:
     from actors.learner.config import TorchBackendConfig
     from actors.learner.torch_backend import TorchBackend
     from async_rl.model.presets import load_model
@@ -107,7 +107,9 @@ def _learners(model_dir: Path) -> list[tuple[str, str, Any]]:
     out: list[tuple[str, str, Any]] = []
     for dtype in ("bfloat16", "float32"):
         out.append(("torch", dtype, lambda dtype=dtype: TorchBackend(
-            copy.deepcopy(hf), TorchBackendConfig(dtype=dtype, device="cuda", masked_token_ids=masked))))  # fmt: skip
+            copy.deepcopy(hf), TorchBackendConfig(dtype=dtype, device=device, masked_token_ids=masked))))  # fmt: skip
+    if device != "cuda":
+        return out
     try:
         import megatron.core  # noqa: F401
     except ImportError:
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--engines", default="vllm,vllm-fp32,torch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", help="the torch engine's and learners' (vLLM takes the first GPU)")
     args = p.parse_args(argv)
     from actors.commands.bench.report import machine
     from actors.learner.batching import collate
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             pairs = asyncio.run(_sample(engine, model_dir, prompts, args))
             batches[engine] = collate(_train_samples(pairs), step_num_tokens=1, step_num_sequences=1)
             print(f"mismatch: {engine} sampled {int(batches[engine].loss_mask.sum())} tokens", file=sys.stderr)
-        for learner, dtype, build in _learners(model_dir):
+        for learner, dtype, build in _learners(model_dir, args.device):
             backend = build()
             for engine, mb in batches.items():
                 for replay in (True, False):
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             backend.close()
             del backend
             torch.cuda.empty_cache()
-    summary = {"bench": "mismatch", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine("cuda"),
+    summary = {"bench": "mismatch", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(args.device),
                "model": args.model, "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens,
                "temperature": 1.0, "results": results}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
