@@ -58,7 +58,7 @@ async def _sample(engine_name: str, model_dir: Path, prompts: list[np.ndarray], 
     else:
         from actors.generator.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(VLLMEngineConfig(model=model, stop_on_eos=False, gpu_memory_utilization=0.5,
+        engine = VLLMEngine(VLLMEngineConfig(model=model, stop_on_eos=False, gpu_memory_utilization=0.5, enforce_eager=True,
                                              max_model_len=PROMPT_TOKENS + args.new_tokens + 8))  # fmt: skip
     try:
         out = await engine.generate(prompts, SamplingParams(n=args.n, max_new_tokens=args.new_tokens,

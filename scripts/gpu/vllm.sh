@@ -14,7 +14,7 @@ gpu=$(python3 -c "import torch; n=torch.cuda.device_count(); print(torch.cuda.ge
 day=$(date +%Y-%m-%d)
 case "$part" in
 tests)
-    ARL_GPU_REPORT="$out/vllm-gpu-report-$gpu-$day.json" timeout 560 python3 -m pytest -q -s -p no:cacheprovider \
+    ARL_GPU_REPORT="$out/vllm-gpu-report-$gpu-$day.json" timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -q -s -p no:cacheprovider \
         -o addopts="" tests/gpu/test_vllm_gpu.py > "$out/test_vllm_gpu.txt" 2>&1
     rc=$?; tail -40 "$out/test_vllm_gpu.txt"; exit $rc ;;
 generate)
@@ -29,7 +29,7 @@ loop)
     rc=$?; tail -5 "$out/loop.log"; for f in /tmp/run-loop-vllm/*.log; do echo "== $f"; tail -8 "$f"; done \
         > "$out/loop-process-logs.txt"; tail -40 "$out/loop-process-logs.txt"; exit $rc ;;
 mismatch)
-    timeout 580 python3 scripts/gpu/mismatch.py --model moe-107m --json "$out/mismatch-$gpu-moe-107m-$day.json" \
+    timeout 580 python3 scripts/gpu/mismatch.py --model moe-107m --engines vllm,torch --json "$out/mismatch-$gpu-moe-107m-$day.json" \
         > "$out/mismatch.log" 2>&1
     rc=$?; tail -30 "$out/mismatch.log"; exit $rc ;;
 *) echo "vllm.sh: unknown part $part" >&2; exit 2 ;;
