@@ -106,7 +106,7 @@ async def test_logprobs_and_routes_match_a_full_forward(engine: VLLMEngine, mode
             full = torch.from_numpy(np.concatenate([prompt, c.token_ids]).astype(np.int64))[None].cuda()
             with torch.no_grad(), record_routes(ref) as rec:
                 logits = ref(input_ids=full).logits[0, prompt.size - 1 : -1].float()
-                own = rec.take()[0][0].numpy()  # [S, L, K]
+                own = rec.take()[0][0].cpu().numpy()  # [S, L, K]
             lp = torch.log_softmax(logits, -1).gather(-1, full[0, prompt.size:, None]).squeeze(-1).cpu().numpy()
             diffs.append(np.abs(lp - c.logprobs))
             assert c.routes is not None and c.routes.shape == (full.shape[1] - 1, len(layers), layers[0].top_k)
