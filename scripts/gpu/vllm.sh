@@ -22,8 +22,8 @@ generate)
         --json "$out/generate-$gpu-moe-1.6b-$day.json" > "$out/generate.log" 2>&1
     rc=$?; tail -30 "$out/generate.log"; exit $rc ;;
 loop)
-    timeout 590 python3 -m actors.commands bench loop --model moe-1.6b --device cuda --backend megatron --steps 40 \
-        --max-minutes 8 --generators 1 --generator-engine vllm --generator-devices cuda:1 --learner megatron.lr=1e-5 \
+    timeout ${LOOP_TIMEOUT:-590} python3 -m actors.commands bench loop --model moe-1.6b --device cuda --backend megatron --steps ${LOOP_STEPS:-40} \
+        --max-minutes ${LOOP_MINUTES:-8} --generators 1 --generator-engine vllm --generator-devices cuda:1 --learner megatron.lr=1e-5 \
         --json "$out/loop-$gpu-1.6b-megatron-vllm-$day.json" --run-dir /tmp/run-loop-vllm \
         > "$out/loop.log" 2>&1
     rc=$?; tail -5 "$out/loop.log"; for f in /tmp/run-loop-vllm/*.log; do echo "== $f"; tail -8 "$f"; done \
