@@ -22,7 +22,8 @@ import numpy as np
 
 from async_rl.model import toy_tokenizer as tt
 from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit, row_of
-from async_rl.tasks.text import decode_response, math_verify_score
+from async_rl.tasks.math_verify_reward import MathVerifyReward
+from async_rl.tasks.text import decode_response
 from async_rl.tasks.toy import response_text
 from async_rl.wire import PromptSpec
 
@@ -45,6 +46,8 @@ class JsonlTask(Task):
     """(row id, prompt ids, metadata) per line."""
     eval_rows: list[tuple[str, np.ndarray, dict[str, Any]]]
     """The same, of the held-out file (``task.eval_jsonl_path``; empty without one)."""
+    _math: MathVerifyReward | None
+    """The ``math_verify`` scorer (its parsed references cached), when that is the reward."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class JsonlTask(Task):
             raise ValueError("task.max_new_tokens must be >= 1")
         self.seed, self.shuffle = seed, shuffle
         self._reward, self._reward_fn = reward, reward_fn
+        self._math = MathVerifyReward() if reward_fn is None and reward == "math_verify" else None
         self._tokenizer = tokenizer
         self._max_new_tokens = max_new_tokens
         bos = tt.BOS_ID if tokenizer is None else tokenizer.bos_token_id
@@ -172,7 +176,8 @@ class JsonlTask(Task):
             raise ValueError(f"prompt metadata has no 'answer' for reward {self._reward!r}: {dict(metadata)}")
         answer = str(answer)
         if self._reward == "math_verify":
-            return math_verify_score(text, answer)
+            assert self._math is not None
+            return self._math(text, answer, metadata)
         if self._reward == "exact_match":
             return Score(reward=float(text.strip() == answer.strip()))
         return positional_credit(text.strip(), answer.strip(), strict_length=True)

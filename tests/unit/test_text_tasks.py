@@ -88,7 +88,8 @@ def test_math_verify_reward_for_jsonl(tmp_path: Path, model_dir: Path) -> None:
     p0, p1 = task.prompt(0), task.prompt(1)
     assert task.score(p0.metadata, tok("so it is \\boxed{\\frac{1}{2}}", add_special_tokens=False).input_ids).reward == 1.0
     assert task.score(p0.metadata, tok("0.25", add_special_tokens=False).input_ids).reward == 0.0
-    assert task.score(p1.metadata, tok("x = 2", add_special_tokens=False).input_ids).info == {"correct": 1.0}
+    assert task.score(p1.metadata, tok("x = 2", add_special_tokens=False).input_ids).info == {"correct": 1.0,
+                                                                                            "unparsable_reference": 0.0}
 
 
 def test_toy_tasks_have_a_held_out_stream() -> None:
