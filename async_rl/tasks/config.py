@@ -7,12 +7,15 @@ from typing import Any
 
 from async_rl.tasks.base import Task, load_reward_fn
 from async_rl.tasks.envs.config import EnvConfig
-from async_rl.tasks.jsonl import BUILTIN_REWARDS, JsonlTask
+from async_rl.tasks.jsonl import BUILTIN_REWARDS, MATH_ANSWER_FORMAT, JsonlTask
+from async_rl.tasks.text import PromptFormat, prompt_format
 from async_rl.tasks.toy import TOY_TASKS, ToyTask
 
 ENV_TASKS = ("tool_copy", "python_tool", "skyrl_gym", "verifiers")
 """Tasks whose prompts open episodes of several turns (:mod:`async_rl.tasks.envs`)."""
-TASK_NAMES = (*TOY_TASKS, "jsonl", "reasoning_gym", *ENV_TASKS)
+TEXT_TASKS = ("jsonl", "reasoning_gym")
+"""Tasks whose prompts are text, rendered through the tokenizer's chat template or raw (``task.chat_template``)."""
+TASK_NAMES = (*TOY_TASKS, *TEXT_TASKS, *ENV_TASKS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,7 +52,18 @@ class TaskConfig:
     """jsonl, reasoning_gym: tokenizer for prompt text, a preset or HF directory (jsonl: '' = the toy char
     tokenizer; reasoning_gym needs one, e.g. a directory from ``async-rl init-model``)."""
     add_bos: bool = True
-    """jsonl, reasoning_gym: put the tokenizer's bos token in front of text prompts."""
+    """jsonl, reasoning_gym: put the tokenizer's bos token in front of raw text prompts (a chat template places its
+    own)."""
+    chat_template: bool | None = None
+    """jsonl, reasoning_gym: render each text prompt through the tokenizer's chat template, as a user message ready
+    for the assistant's turn (true), or use it as raw text (false); unset: the chat template when the tokenizer has
+    one (a directory from ``async-rl init-model`` has one; the presets' toy tokenizer has none)."""
+    system_prompt: str = ""
+    """jsonl, reasoning_gym with the chat template: the system message before each prompt ('' = none)."""
+    answer_format: str | None = None
+    """jsonl, reasoning_gym with the chat template: the instruction after each prompt's text, telling the model the
+    answer format the scorer reads; unset: the task's own (reasoning_gym: answer between <answer> and </answer> tags;
+    jsonl with math_verify: put the final answer within \\boxed{}; otherwise none), '' = none."""
     shuffle: bool = True
     """jsonl: reshuffle every epoch (deterministically from seed and epoch)."""
     reward: str = ""
@@ -85,6 +99,15 @@ class TaskConfig:
             raise ValueError(f"task.reward must be 'module:function'{also}, got {self.reward!r}")
         if self.max_new_tokens < 0:
             raise ValueError("task.max_new_tokens must be >= 0")
+        formatted = {"task.chat_template": self.chat_template is not None, "task.system_prompt": bool(self.system_prompt),
+                     "task.answer_format": self.answer_format is not None}  # fmt: skip
+        if self.name not in TEXT_TASKS and any(formatted.values()):
+            field = next(k for k, v in formatted.items() if v)
+            raise ValueError(f"{field} applies to the text tasks {list(TEXT_TASKS)}, not to {self.name!r}")
+        if self.chat_template is False and (self.system_prompt or self.answer_format):
+            field = "task.system_prompt" if self.system_prompt else "task.answer_format"
+            raise ValueError(f"{field} is set, but task.chat_template is false: it goes into the chat template's "
+                             "messages, raw text prompts have none")  # fmt: skip
 
 
 def build_task(config: TaskConfig) -> Task:
@@ -111,18 +134,19 @@ def build_task(config: TaskConfig) -> Task:
             reward=config.reward if config.reward in BUILTIN_REWARDS else "exact_match",
             reward_fn=reward_fn,
             tokenizer=tokenizer,
-            add_bos=config.add_bos,
+            prompt_format=_prompt_format(config, tokenizer, MATH_ANSWER_FORMAT if config.reward == "math_verify" else ""),
             shuffle=config.shuffle,
             max_new_tokens=config.max_new_tokens or 32,
             eval_path=config.eval_jsonl_path or None,
         )
     if config.name == "reasoning_gym":
         from async_rl.model.presets import load_tokenizer
-        from async_rl.tasks.reasoning_gym import ReasoningGymTask
+        from async_rl.tasks.reasoning_gym import ANSWER_FORMAT, ReasoningGymTask
 
+        tokenizer = load_tokenizer(config.tokenizer)
         return ReasoningGymTask(
-            config.dataset, tokenizer=load_tokenizer(config.tokenizer), seed=config.seed,
-            dataset_config=config.dataset_config, template=config.template, add_bos=config.add_bos,
+            config.dataset, tokenizer=tokenizer, seed=config.seed, dataset_config=config.dataset_config,
+            template=config.template, prompt_format=_prompt_format(config, tokenizer, ANSWER_FORMAT),
             max_new_tokens=config.max_new_tokens or 32, reward_fn=reward_fn,
         )  # fmt: skip
     task = ToyTask(
@@ -135,6 +159,12 @@ def build_task(config: TaskConfig) -> Task:
         max_new_tokens=config.max_new_tokens or None,
     )
     return task
+
+
+def _prompt_format(config: TaskConfig, tokenizer: Any, default_answer_format: str) -> PromptFormat:
+    return prompt_format(tokenizer, chat_template=config.chat_template, system_prompt=config.system_prompt,
+                         answer_format=config.answer_format, default_answer_format=default_answer_format,
+                         add_bos=config.add_bos)  # fmt: skip
 
 
 def _adapted_task(config: TaskConfig) -> Task:
