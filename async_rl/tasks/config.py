@@ -10,6 +10,7 @@ from async_rl.tasks.envs.config import EnvConfig
 from async_rl.tasks.jsonl import BUILTIN_REWARDS, MATH_ANSWER_FORMAT, JsonlTask
 from async_rl.tasks.text import PromptFormat, prompt_format
 from async_rl.tasks.toy import TOY_TASKS, ToyTask
+from async_rl.tasks.user import build_user_task, check_task_args, is_user_task, load_task_class
 
 ENV_TASKS = ("tool_copy", "python_tool", "skyrl_gym", "verifiers")
 """Tasks whose prompts open episodes of several turns (:mod:`async_rl.tasks.envs`)."""
@@ -26,7 +27,10 @@ class TaskConfig:
     """copy | reverse | sort | add (built-in toy tasks), jsonl (prompts from ``jsonl_path``), reasoning_gym (a
     reasoning-gym dataset, ``dataset``) or tool_copy (a toy environment of two turns: call a tool, then copy what it
     returned), python_tool (questions answered with a sandboxed Python tool, rows from ``jsonl_path``), skyrl_gym or
-    verifiers (environments of those packages, through their adapters; see docs/environments.md)."""
+    verifiers (environments of those packages, through their adapters; see docs/environments.md); or your own task or
+    environment, ``path/to/file.py:Class`` or ``module:Class``: a subclass of ``async_rl.tasks.Task`` or
+    ``async_rl.tasks.envs.EnvTask``, built as ``Class(seed=seed, tokenizer=<tokenizer loaded, or None>, **args)``
+    (``async_rl/tasks/user.py``, docs/environments.md)."""
     seed: int = 0
     """Seed of the prompt stream (prompt i depends only on seed and i)."""
     min_digits: int = 5
@@ -72,13 +76,28 @@ class TaskConfig:
     max_new_tokens: int = 0
     """Response budget the generators use (0: the task's own, e.g. digits + 1 for copy; 32 for jsonl and
     reasoning_gym; per model turn for environments, 128 for skyrl_gym and verifiers)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """A task given as ``file.py:Class`` or ``module:Class``: the keyword arguments of its constructor besides
+    ``seed`` and ``tokenizer`` (e.g. ``task.args.max_number=100``); checked against its signature at start."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """skyrl_gym / verifiers: which environment, built with which arguments; python_tool: ``args`` are the
     sandbox's limits (``async_rl.tasks.envs.sandbox.SandboxConfig``)."""
 
     def __post_init__(self) -> None:
-        if self.name not in TASK_NAMES:
-            raise ValueError(f"task.name must be one of {list(TASK_NAMES)}, got {self.name!r}")
+        if is_user_task(self.name):
+            check_task_args(self.name, load_task_class(self.name), self.args)  # imports it: errors name the key
+            if self.reward:
+                raise ValueError(f"task.reward cannot be set for task.name {self.name!r}: a task of your own scores "
+                                 "its responses (score) or its episodes")  # fmt: skip
+            if self.max_new_tokens:
+                raise ValueError(f"task.max_new_tokens cannot be set for task.name {self.name!r}: its max_new_tokens "
+                                 "property says it (pass a value of your own through task.args)")  # fmt: skip
+        elif self.name not in TASK_NAMES:
+            raise ValueError(f"task.name must be one of {list(TASK_NAMES)}, or a task of your own as "
+                             f"'path/to/file.py:Class' or 'module:Class', got {self.name!r}")  # fmt: skip
+        elif self.args:
+            raise ValueError("task.args applies to a task of your own (task.name=file.py:Class or module:Class); "
+                             f"{self.name!r} takes its own task.* keys (an adapter's environment: task.env.args)")  # fmt: skip
         if self.min_digits < 1:
             raise ValueError("task.min_digits must be >= 1")
         if self.max_digits < self.min_digits:
@@ -112,6 +131,8 @@ class TaskConfig:
 
 def build_task(config: TaskConfig) -> Task:
     """The task ``config`` describes (imports a user's reward function; ValueError if it cannot)."""
+    if is_user_task(config.name):
+        return build_user_task(config.name, seed=config.seed, tokenizer=config.tokenizer, args=config.args)
     if config.name == "tool_copy":
         from async_rl.tasks.envs.tool_copy import ToolCopyTask
 
