@@ -53,8 +53,9 @@ class TaskConfig:
     template: str = "{question}\n"
     """reasoning_gym: the prompt text around the dataset's ``{question}``."""
     tokenizer: str = ""
-    """jsonl, reasoning_gym: tokenizer for prompt text, a preset or HF directory (jsonl: '' = the toy char
-    tokenizer; reasoning_gym needs one, e.g. a directory from ``async-rl init-model``)."""
+    """jsonl, reasoning_gym, the environment adapters and a task of your own (its constructor's ``tokenizer``): the
+    tokenizer of prompt text, a preset or HF directory (jsonl, adapters: '' = the toy char tokenizer; a task of your
+    own: '' = None; reasoning_gym needs one, e.g. a directory from ``async-rl init-model``)."""
     add_bos: bool = True
     """jsonl, reasoning_gym: put the tokenizer's bos token in front of raw text prompts (a chat template places its
     own)."""
