@@ -1,8 +1,10 @@
 """``async-rl init-model OUT_DIR``: write a random-init preset model with a tokenizer as a Hugging Face directory.
 
-Offline (nothing is downloaded): a preset (``tiny-moe``...) seeded, and the toy char tokenizer or the byte-level
-one (``--tokenizer bytes``: any text, e.g. reasoning-gym's questions). The directory is a ``model.name`` for the
-learner and the generators, and ``task.tokenizer`` for text tasks.
+Offline (nothing is downloaded): a preset (``tiny-moe``...) seeded, and the byte-level tokenizer (the default,
+``--tokenizer bytes``: any text, e.g. reasoning-gym's questions, with a ChatML chat template, so text tasks render
+their prompts as chats and the environment adapters take the directory as it is) or the toy char one (``chars``: the
+digits of the toy tasks, no chat template). The directory is a ``model.name`` for the learner and the generators,
+and ``task.tokenizer`` for text tasks.
 """
 
 from __future__ import annotations
@@ -25,5 +27,6 @@ def main(argv: list[str] | None = None, prog: str = "async-rl init-model") -> in
 
     out = save_pretrained_dir(args.out_dir, preset=args.preset, seed=args.seed, dtype=args.dtype,
                               tokenizer=args.tokenizer)  # fmt: skip
-    print(f"{prog}: wrote {out} ({args.preset}, {args.tokenizer} tokenizer, seed {args.seed})")
+    template = ", with a chat template" if args.tokenizer == "bytes" else ""
+    print(f"{prog}: wrote {out} ({args.preset}, {args.tokenizer} tokenizer{template}, seed {args.seed})")
     return 0

@@ -44,6 +44,8 @@ class Intake:
     _max_staleness_seen: int
     _dropped_line: RepeatedLine
     """"dropped N groups over the staleness bound": once, then a summary every 30 s, never one line per batch."""
+    _shown_first_prompt: bool
+    """The first prompt this process issued has been logged, as the model reads it (chat template and all)."""
 
     async def _feed_prompts(self) -> int:
         """Issue prompts up to the admission bound; returns how many were issued."""
@@ -67,6 +69,11 @@ class Intake:
             spec = self._task.prompt(i)
             specs.append(dataclasses.replace(spec, sampling=sampling, min_version=min_version))
         await self._prompts.issue(specs, self.state.version)
+        if not self._shown_first_prompt:
+            self._shown_first_prompt = True
+            first = specs[0]
+            log.info("first prompt %s, as the model reads it (%d tokens): %r", first.prompt_id, len(first.prompt_ids),
+                     self._task.prompt_text(first.prompt_ids))  # fmt: skip
         self.state.prompts_issued = start + room
         return room
 

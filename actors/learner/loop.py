@@ -125,6 +125,7 @@ class Learner(Intake):
         self._pending_rows = []  # (step, metrics row) of those steps, written with their commit
         self._unexplained_failures = 0
         self._max_staleness_seen = 0
+        self._shown_first_prompt = False
         self._dropped_line = RepeatedLine(log, "dropped {n} groups over the staleness bound "
                                                f"staleness.max_staleness={cfg.staleness.max_staleness}")  # fmt: skip
 

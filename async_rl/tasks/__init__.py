@@ -1,4 +1,5 @@
-"""Tasks and rewards: the :class:`Task` interface, built-in toy tasks, JSONL prompts, user rewards.
+"""Tasks and rewards: the :class:`Task` interface, built-in toy tasks, JSONL prompts, user rewards, and a user's own
+task or environment named by ``task.name=file.py:Class`` (:mod:`.user`).
 
 May import: model, wire, process.
 """

@@ -69,6 +69,11 @@ class Task(abc.ABC):
         Default: a task without one raises ValueError."""
         raise ValueError(f"task {self.name!r} has no held-out split for evaluation")
 
+    def prompt_text(self, prompt_ids: np.ndarray) -> str:
+        """A prompt as the model reads it, special tokens shown (the learner logs its first prompt with it). Default:
+        the token ids; a task with a tokenizer decodes them."""
+        return f"token ids {np.asarray(prompt_ids).tolist()}"
+
     def prompts(self, start: int = 0) -> Iterator[PromptSpec]:
         """Prompts ``start, start + 1, ...`` (endless; a finite task cycles through reshuffled epochs)."""
         index = start

@@ -7,12 +7,16 @@ from typing import Any
 
 from async_rl.tasks.base import Task, load_reward_fn
 from async_rl.tasks.envs.config import EnvConfig
-from async_rl.tasks.jsonl import BUILTIN_REWARDS, JsonlTask
+from async_rl.tasks.jsonl import BUILTIN_REWARDS, MATH_ANSWER_FORMAT, JsonlTask
+from async_rl.tasks.text import PromptFormat, prompt_format
 from async_rl.tasks.toy import TOY_TASKS, ToyTask
+from async_rl.tasks.user import build_user_task, check_task_args, is_user_task, load_task_class
 
 ENV_TASKS = ("tool_copy", "python_tool", "skyrl_gym", "verifiers")
 """Tasks whose prompts open episodes of several turns (:mod:`async_rl.tasks.envs`)."""
-TASK_NAMES = (*TOY_TASKS, "jsonl", "reasoning_gym", *ENV_TASKS)
+TEXT_TASKS = ("jsonl", "reasoning_gym")
+"""Tasks whose prompts are text, rendered through the tokenizer's chat template or raw (``task.chat_template``)."""
+TASK_NAMES = (*TOY_TASKS, *TEXT_TASKS, *ENV_TASKS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -23,7 +27,10 @@ class TaskConfig:
     """copy | reverse | sort | add (built-in toy tasks), jsonl (prompts from ``jsonl_path``), reasoning_gym (a
     reasoning-gym dataset, ``dataset``) or tool_copy (a toy environment of two turns: call a tool, then copy what it
     returned), python_tool (questions answered with a sandboxed Python tool, rows from ``jsonl_path``), skyrl_gym or
-    verifiers (environments of those packages, through their adapters; see docs/environments.md)."""
+    verifiers (environments of those packages, through their adapters; see docs/environments.md); or your own task or
+    environment, ``path/to/file.py:Class`` or ``module:Class``: a subclass of ``async_rl.tasks.Task`` or
+    ``async_rl.tasks.envs.EnvTask``, built as ``Class(seed=seed, tokenizer=<tokenizer loaded, or None>, **args)``
+    (``async_rl/tasks/user.py``, docs/environments.md)."""
     seed: int = 0
     """Seed of the prompt stream (prompt i depends only on seed and i)."""
     min_digits: int = 5
@@ -46,10 +53,22 @@ class TaskConfig:
     template: str = "{question}\n"
     """reasoning_gym: the prompt text around the dataset's ``{question}``."""
     tokenizer: str = ""
-    """jsonl, reasoning_gym: tokenizer for prompt text, a preset or HF directory (jsonl: '' = the toy char
-    tokenizer; reasoning_gym needs one, e.g. a directory from ``async-rl init-model``)."""
+    """jsonl, reasoning_gym, the environment adapters and a task of your own (its constructor's ``tokenizer``): the
+    tokenizer of prompt text, a preset or HF directory (jsonl, adapters: '' = the toy char tokenizer; a task of your
+    own: '' = None; reasoning_gym needs one, e.g. a directory from ``async-rl init-model``)."""
     add_bos: bool = True
-    """jsonl, reasoning_gym: put the tokenizer's bos token in front of text prompts."""
+    """jsonl, reasoning_gym: put the tokenizer's bos token in front of raw text prompts (a chat template places its
+    own)."""
+    chat_template: bool | None = None
+    """jsonl, reasoning_gym: render each text prompt through the tokenizer's chat template, as a user message ready
+    for the assistant's turn (true), or use it as raw text (false); unset: the chat template when the tokenizer has
+    one (a directory from ``async-rl init-model`` has one; the presets' toy tokenizer has none)."""
+    system_prompt: str = ""
+    """jsonl, reasoning_gym with the chat template: the system message before each prompt ('' = none)."""
+    answer_format: str | None = None
+    """jsonl, reasoning_gym with the chat template: the instruction after each prompt's text, telling the model the
+    answer format the scorer reads; unset: the task's own (reasoning_gym: answer between <answer> and </answer> tags;
+    jsonl with math_verify: put the final answer within \\boxed{}; otherwise none), '' = none."""
     shuffle: bool = True
     """jsonl: reshuffle every epoch (deterministically from seed and epoch)."""
     reward: str = ""
@@ -58,13 +77,28 @@ class TaskConfig:
     max_new_tokens: int = 0
     """Response budget the generators use (0: the task's own, e.g. digits + 1 for copy; 32 for jsonl and
     reasoning_gym; per model turn for environments, 128 for skyrl_gym and verifiers)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """A task given as ``file.py:Class`` or ``module:Class``: the keyword arguments of its constructor besides
+    ``seed`` and ``tokenizer`` (e.g. ``task.args.max_number=100``); checked against its signature at start."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """skyrl_gym / verifiers: which environment, built with which arguments; python_tool: ``args`` are the
     sandbox's limits (``async_rl.tasks.envs.sandbox.SandboxConfig``)."""
 
     def __post_init__(self) -> None:
-        if self.name not in TASK_NAMES:
-            raise ValueError(f"task.name must be one of {list(TASK_NAMES)}, got {self.name!r}")
+        if is_user_task(self.name):
+            check_task_args(self.name, load_task_class(self.name), self.args)  # imports it: errors name the key
+            if self.reward:
+                raise ValueError(f"task.reward cannot be set for task.name {self.name!r}: a task of your own scores "
+                                 "its responses (score) or its episodes")  # fmt: skip
+            if self.max_new_tokens:
+                raise ValueError(f"task.max_new_tokens cannot be set for task.name {self.name!r}: its max_new_tokens "
+                                 "property says it (pass a value of your own through task.args)")  # fmt: skip
+        elif self.name not in TASK_NAMES:
+            raise ValueError(f"task.name must be one of {list(TASK_NAMES)}, or a task of your own as "
+                             f"'path/to/file.py:Class' or 'module:Class', got {self.name!r}")  # fmt: skip
+        elif self.args:
+            raise ValueError("task.args applies to a task of your own (task.name=file.py:Class or module:Class); "
+                             f"{self.name!r} takes its own task.* keys (an adapter's environment: task.env.args)")  # fmt: skip
         if self.min_digits < 1:
             raise ValueError("task.min_digits must be >= 1")
         if self.max_digits < self.min_digits:
@@ -85,10 +119,21 @@ class TaskConfig:
             raise ValueError(f"task.reward must be 'module:function'{also}, got {self.reward!r}")
         if self.max_new_tokens < 0:
             raise ValueError("task.max_new_tokens must be >= 0")
+        formatted = {"task.chat_template": self.chat_template is not None, "task.system_prompt": bool(self.system_prompt),
+                     "task.answer_format": self.answer_format is not None}  # fmt: skip
+        if self.name not in TEXT_TASKS and any(formatted.values()):
+            field = next(k for k, v in formatted.items() if v)
+            raise ValueError(f"{field} applies to the text tasks {list(TEXT_TASKS)}, not to {self.name!r}")
+        if self.chat_template is False and (self.system_prompt or self.answer_format):
+            field = "task.system_prompt" if self.system_prompt else "task.answer_format"
+            raise ValueError(f"{field} is set, but task.chat_template is false: it goes into the chat template's "
+                             "messages, raw text prompts have none")  # fmt: skip
 
 
 def build_task(config: TaskConfig) -> Task:
     """The task ``config`` describes (imports a user's reward function; ValueError if it cannot)."""
+    if is_user_task(config.name):
+        return build_user_task(config.name, seed=config.seed, tokenizer=config.tokenizer, args=config.args)
     if config.name == "tool_copy":
         from async_rl.tasks.envs.tool_copy import ToolCopyTask
 
@@ -111,18 +156,19 @@ def build_task(config: TaskConfig) -> Task:
             reward=config.reward if config.reward in BUILTIN_REWARDS else "exact_match",
             reward_fn=reward_fn,
             tokenizer=tokenizer,
-            add_bos=config.add_bos,
+            prompt_format=_prompt_format(config, tokenizer, MATH_ANSWER_FORMAT if config.reward == "math_verify" else ""),
             shuffle=config.shuffle,
             max_new_tokens=config.max_new_tokens or 32,
             eval_path=config.eval_jsonl_path or None,
         )
     if config.name == "reasoning_gym":
         from async_rl.model.presets import load_tokenizer
-        from async_rl.tasks.reasoning_gym import ReasoningGymTask
+        from async_rl.tasks.reasoning_gym import ANSWER_FORMAT, ReasoningGymTask
 
+        tokenizer = load_tokenizer(config.tokenizer)
         return ReasoningGymTask(
-            config.dataset, tokenizer=load_tokenizer(config.tokenizer), seed=config.seed,
-            dataset_config=config.dataset_config, template=config.template, add_bos=config.add_bos,
+            config.dataset, tokenizer=tokenizer, seed=config.seed, dataset_config=config.dataset_config,
+            template=config.template, prompt_format=_prompt_format(config, tokenizer, ANSWER_FORMAT),
             max_new_tokens=config.max_new_tokens or 32, reward_fn=reward_fn,
         )  # fmt: skip
     task = ToyTask(
@@ -135,6 +181,12 @@ def build_task(config: TaskConfig) -> Task:
         max_new_tokens=config.max_new_tokens or None,
     )
     return task
+
+
+def _prompt_format(config: TaskConfig, tokenizer: Any, default_answer_format: str) -> PromptFormat:
+    return prompt_format(tokenizer, chat_template=config.chat_template, system_prompt=config.system_prompt,
+                         answer_format=config.answer_format, default_answer_format=default_answer_format,
+                         add_bos=config.add_bos)  # fmt: skip
 
 
 def _adapted_task(config: TaskConfig) -> Task:

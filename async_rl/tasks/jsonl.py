@@ -4,7 +4,9 @@ Each line is a JSON object with the prompt as text (``"prompt"``, or the field n
 ``prompt_field``) or as token ids (``"prompt_ids"``); an optional ``"id"``; every other field
 (for example ``"answer"``) goes into the prompt's metadata for the scorer. The file is read
 once and checked line by line (errors name the line). Epochs are reshuffled deterministically
-from ``(seed, epoch)``.
+from ``(seed, epoch)``. A text prompt is encoded as :class:`~async_rl.tasks.text.PromptFormat` says: through the
+tokenizer's chat template (a user message; with ``math_verify`` followed by :data:`MATH_ANSWER_FORMAT`) or as raw
+text.
 
 Built-in rewards compare the decoded response with the row's ``"answer"``: ``exact_match``
 (1.0 when equal after stripping whitespace), ``positional`` (per-position partial credit) and ``math_verify``
@@ -22,7 +24,8 @@ import numpy as np
 
 from async_rl.model import toy_tokenizer as tt
 from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn, positional_credit, row_of
-from async_rl.tasks.text import decode_response, math_verify_score
+from async_rl.tasks.math_verify_reward import MathVerifyReward
+from async_rl.tasks.text import PromptFormat, decode_response, show_ids
 from async_rl.tasks.toy import response_text
 from async_rl.wire import PromptSpec
 
@@ -32,6 +35,9 @@ if TYPE_CHECKING:
 BUILTIN_REWARDS = ("exact_match", "positional", "math_verify")
 """Rewards a JSONL task can name without code; all need an ``"answer"`` field (``math_verify``: the
 math-verify package, mathematical equality of the response's answer and the row's)."""
+MATH_ANSWER_FORMAT = "Please reason step by step, and put your final answer within \\boxed{}."
+"""The instruction after a chat-formatted prompt scored by ``math_verify`` (``task.answer_format`` unset): the
+scorer reads a ``\\boxed{}`` answer first (the phrasing of Qwen2.5-Math and DeepSeek-R1's math prompts)."""
 
 
 class JsonlTask(Task):
@@ -45,6 +51,10 @@ class JsonlTask(Task):
     """(row id, prompt ids, metadata) per line."""
     eval_rows: list[tuple[str, np.ndarray, dict[str, Any]]]
     """The same, of the held-out file (``task.eval_jsonl_path``; empty without one)."""
+    format: PromptFormat
+    """How text prompts become token ids (chat template or raw text)."""
+    _math: MathVerifyReward | None
+    """The ``math_verify`` scorer (its parsed references cached), when that is the reward."""
 
     def __init__(
         self,
@@ -55,12 +65,13 @@ class JsonlTask(Task):
         reward: str = "exact_match",
         reward_fn: RewardFn | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        add_bos: bool = True,
+        prompt_format: PromptFormat | None = None,
         shuffle: bool = True,
         max_new_tokens: int = 32,
         eval_path: str | Path | None = None,
     ) -> None:
-        """``eval_path``: a second JSONL file of the same form, the held-out split (:meth:`eval_prompt`)."""
+        """``eval_path``: a second JSONL file of the same form, the held-out split (:meth:`eval_prompt`);
+        ``prompt_format``: how text prompts become token ids (default: raw text with the bos in front)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise ValueError(f"task.jsonl_path {str(self.path)!r} is not a file")
@@ -72,14 +83,17 @@ class JsonlTask(Task):
             raise ValueError("task.max_new_tokens must be >= 1")
         self.seed, self.shuffle = seed, shuffle
         self._reward, self._reward_fn = reward, reward_fn
+        self._math = MathVerifyReward() if reward_fn is None and reward == "math_verify" else None
         self._tokenizer = tokenizer
+        self.format = prompt_format or PromptFormat()
+        if self.format.chat and tokenizer is None:
+            raise ValueError("task.chat_template needs task.tokenizer: the toy tokenizer has no chat template")
         self._max_new_tokens = max_new_tokens
-        bos = tt.BOS_ID if tokenizer is None else tokenizer.bos_token_id
         self.rows = []
         with self.path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 if line.strip():
-                    self.rows.append(self._parse(line, lineno, prompt_field, bos if add_bos else None))
+                    self.rows.append(self._parse(line, lineno, prompt_field))
         if not self.rows:
             raise ValueError(f"task.jsonl_path {str(self.path)!r} has no prompts")
         self.eval_rows = []
@@ -91,7 +105,7 @@ class JsonlTask(Task):
             with held_out.open(encoding="utf-8") as f:
                 for lineno, line in enumerate(f, start=1):
                     if line.strip():
-                        self.eval_rows.append(self._parse(line, lineno, prompt_field, bos if add_bos else None))
+                        self.eval_rows.append(self._parse(line, lineno, prompt_field))
             self.path = main_path
             if not self.eval_rows:
                 raise ValueError(f"task.eval_jsonl_path {str(held_out)!r} has no prompts")
@@ -99,7 +113,7 @@ class JsonlTask(Task):
             missing = next(i for i, (_, _, meta) in enumerate(self.rows) if "answer" not in meta)
             raise ValueError(f"{self.path}: reward {reward!r} needs an 'answer' field; row {missing + 1} has none")
 
-    def _parse(self, line: str, lineno: int, field: str, bos: int | None) -> tuple[str, np.ndarray, dict[str, Any]]:
+    def _parse(self, line: str, lineno: int, field: str) -> tuple[str, np.ndarray, dict[str, Any]]:
         where = f"{self.path}:{lineno}"
         try:
             row = json.loads(line)
@@ -117,18 +131,15 @@ class JsonlTask(Task):
             if not isinstance(text, str) or not text:
                 raise ValueError(f"{where}: {field!r} must be a non-empty string")
             try:
-                ids = (
-                    tt.encode(text)
-                    if self._tokenizer is None
-                    else self._tokenizer(text, add_special_tokens=False).input_ids
-                )
+                if self._tokenizer is None:
+                    ids = [tt.BOS_ID, *tt.encode(text)] if self.format.add_bos else tt.encode(text)
+                else:
+                    ids = self.format.encode(self._tokenizer, text).tolist()
             except ValueError as exc:
                 hint = ("; the presets' toy tokenizer knows digits only: a text task needs task.tokenizer, a Hugging "
                         "Face model directory (the model's own: model.name / torch.model.name), see docs/tasks.md"
                         ) if self._tokenizer is None else ""  # fmt: skip
                 raise ValueError(f"{where}: {exc}{hint}") from exc
-            if bos is not None:
-                ids = [bos, *ids]
         else:
             raise ValueError(f"{where}: needs a {field!r} (text) or 'prompt_ids' field")
         row_id = str(row.pop("id", lineno))
@@ -157,6 +168,11 @@ class JsonlTask(Task):
         _, ids, meta = self.eval_rows[index % len(self.eval_rows)]
         return PromptSpec(prompt_id=f"jsonl-eval-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
 
+    def prompt_text(self, prompt_ids: np.ndarray) -> str:
+        if self._tokenizer is None:
+            return tt.decode(np.asarray(prompt_ids).tolist(), skip_special=False)
+        return show_ids(self._tokenizer, prompt_ids)
+
     def decode(self, response_ids: np.ndarray) -> str:
         """Response text cut at the first end token."""
         if self._tokenizer is None:
@@ -172,7 +188,8 @@ class JsonlTask(Task):
             raise ValueError(f"prompt metadata has no 'answer' for reward {self._reward!r}: {dict(metadata)}")
         answer = str(answer)
         if self._reward == "math_verify":
-            return math_verify_score(text, answer)
+            assert self._math is not None
+            return self._math(text, answer, metadata)
         if self._reward == "exact_match":
             return Score(reward=float(text.strip() == answer.strip()))
         return positional_credit(text.strip(), answer.strip(), strict_length=True)

@@ -3,7 +3,9 @@
 ``task.name=reasoning_gym task.dataset=basic_arithmetic task.tokenizer=<model dir>``: the prompts are the
 dataset's questions (``task.template``, default ``"{question}\\n"``) and each response is scored by the dataset's
 own ``score_answer`` (reward in [0, 1]; component ``correct``: the reward is 1). The answer is the text inside
-the last ``<answer>...</answer>`` when the response has one, else the whole response, stripped.
+the last ``<answer>...</answer>`` when the response has one, else the whole response, stripped. With a tokenizer
+that has a chat template the question is a user message, followed by :data:`ANSWER_FORMAT` (``task.answer_format``)
+so the model is told where its answer is read from (:class:`~async_rl.tasks.text.PromptFormat`).
 
 Nothing is downloaded: reasoning-gym builds entry ``i`` from ``Random(seed + i)``. Training prompt ``k`` is entry
 ``k mod 2**30``; held-out prompt ``j`` (evaluation, :meth:`ReasoningGymTask.eval_prompt`) is entry
@@ -20,12 +22,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from async_rl.tasks.base import RewardFn, Score, Task, call_reward_fn
-from async_rl.tasks.text import decode_response, encode_prompt
+from async_rl.tasks.text import PromptFormat, decode_response, show_ids
 from async_rl.wire import PromptSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+ANSWER_FORMAT = "Give your final answer between <answer> and </answer> tags."
+"""The instruction after a chat-formatted question (``task.answer_format`` unset): the tags the scorer reads the
+answer from (reasoning-gym's own system prompts say the same)."""
 HELD_OUT_START = 2**30
 """First entry of the held-out split: training uses entries below it, evaluation entries from it on."""
 
@@ -49,13 +54,16 @@ class ReasoningGymTask(Task):
     template: str
     _data: Any
     _tokenizer: PreTrainedTokenizerBase
-    _add_bos: bool
+    format: PromptFormat
+    """How the question becomes token ids (chat template or raw text)."""
     _max_new_tokens: int
     _reward_fn: RewardFn | None
 
     def __init__(self, dataset: str, *, tokenizer: PreTrainedTokenizerBase, seed: int = 0,
-                 dataset_config: Mapping[str, Any] | None = None, template: str = "{question}\n", add_bos: bool = True,
-                 max_new_tokens: int = 32, reward_fn: RewardFn | None = None) -> None:  # fmt: skip
+                 dataset_config: Mapping[str, Any] | None = None, template: str = "{question}\n",
+                 prompt_format: PromptFormat | None = None, max_new_tokens: int = 32,
+                 reward_fn: RewardFn | None = None) -> None:  # fmt: skip
+        """``prompt_format``: how questions become token ids (default: raw text with the bos in front)."""
         if dataset not in dataset_names():
             raise ValueError(f"task.dataset {dataset!r} is not a reasoning-gym dataset; some of the "
                              f"{len(dataset_names())}: {', '.join(dataset_names()[:12])}, ...")  # fmt: skip
@@ -71,7 +79,7 @@ class ReasoningGymTask(Task):
         except (TypeError, ValueError, AssertionError) as exc:
             raise ValueError(f"task.dataset_config {dict(dataset_config or {})} for {dataset!r}: {exc}") from exc
         self.dataset, self.seed, self.template = dataset, seed, template
-        self._tokenizer, self._add_bos = tokenizer, add_bos
+        self._tokenizer, self.format = tokenizer, prompt_format or PromptFormat()
         self._max_new_tokens, self._reward_fn = max_new_tokens, reward_fn
 
     @property
@@ -86,7 +94,7 @@ class ReasoningGymTask(Task):
         entry = self._data[entry_index]
         text = self.template.format(question=entry["question"])
         return PromptSpec(
-            prompt_id=prompt_id, prompt_ids=encode_prompt(self._tokenizer, text, add_bos=self._add_bos),
+            prompt_id=prompt_id, prompt_ids=self.format.encode(self._tokenizer, text),
             metadata={"task": self.name, "dataset": self.dataset, "entry": entry_index, "prompt": text},
         )  # fmt: skip
 
@@ -99,6 +107,9 @@ class ReasoningGymTask(Task):
         if index < 0:
             raise ValueError(f"eval prompt index must be >= 0, got {index}")
         return self._spec(HELD_OUT_START + index, f"rg-{self.dataset}-{self.seed}-eval-{index}")
+
+    def prompt_text(self, prompt_ids: np.ndarray) -> str:
+        return show_ids(self._tokenizer, prompt_ids)
 
     def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
         entry_index = metadata.get("entry")

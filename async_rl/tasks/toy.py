@@ -125,6 +125,9 @@ class ToyTask(Task):
             metadata={"task": self.name, "index": index, "prompt": text, "target": target},
         )
 
+    def prompt_text(self, prompt_ids: np.ndarray) -> str:
+        return tt.decode(np.asarray(prompt_ids).tolist(), skip_special=False)
+
     def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
         target = metadata.get("target")
         if not isinstance(target, str) or not target:

@@ -1,6 +1,7 @@
 """A reasoning-gym dataset trained by the quickstart's processes (a learner, a generator; real servers): the prompts
-are the dataset's questions in a byte-level tokenizer's ids, the dataset's own scorer's reward reaches the learner's
-metrics, and held-out evaluation rounds every 2 versions reach metrics.jsonl, wandb (offline) and ``status``."""
+are the dataset's questions in a byte-level tokenizer's ids, rendered by its chat template (the learner logs the
+first), the dataset's own scorer's reward reaches the learner's metrics, and held-out evaluation rounds every 2
+versions reach metrics.jsonl, wandb (offline) and ``status``."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def test_reasoning_gym_trains_with_its_scorer_and_is_evaluated_every_n_versions(
     assert len(rows) == STEPS, procs.tails()
     for r in rows:  # the dataset's scorer: reward in [0, 1], "correct" when it is 1
         assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["reward/correct"] <= r["reward"] + 1e-9, r
+    # The learner said once what the model reads: the question rendered by init-model's chat template, with the
+    # answer format the scorer extracts.
+    [first] = [line for line in procs.log("learner").splitlines() if "first prompt" in line]
+    assert "as the model reads it" in first and "'<bos><|im_start|>user\\nCalculate " in first, first
+    assert "\\n\\nGive your final answer between <answer> and </answer> tags.<eos><|im_start|>assistant\\n'" in first
 
     key = "eval/basic_arithmetic"
     evaluated = [r for r in rows if f"{key}/reward" in r]

@@ -13,6 +13,8 @@ The marking convention: an HTML comment on the line right before a block's openi
   made, empty, in a temporary directory for the check, and so are the ``made`` directories (what the block's
   earlier commands write, e.g. a run directory or ``async-rl init-model``'s model, that later ones read);
 - ``run [cwd=DIR]``: the block's ``async-rl`` lines are executed (cheap ones only) and must exit 0;
+- ``file FILE``: a block of any language (a Python example) that must be FILE's content (from the repository root),
+  so the page shows the file the tests run;
 - ``skip REASON``: not checked, and the reason says why.
 
 A shell or TOML block without a marker fails the test: a new snippet is checked from the day it is written.
@@ -86,7 +88,7 @@ MARKED = [b for b in ALL if b.kind]
 def test_every_shell_and_toml_block_is_marked() -> None:
     unmarked = [f"{b.where} ({b.lang})" for b in ALL if b.lang in CHECKED_LANGS and not b.kind]
     assert not unmarked, f"fenced blocks without a <!-- docs-test: ... --> marker (see {__name__}): {unmarked}"
-    assert {b.kind for b in MARKED} <= {"config", "command", "run", "skip"}
+    assert {b.kind for b in MARKED} <= {"config", "command", "run", "file", "skip"}
     assert all(b.args for b in MARKED if b.kind == "skip"), "a skip names its reason"
     assert len([b for b in MARKED if b.kind != "skip"]) >= 15
 
@@ -113,6 +115,12 @@ def test_config_blocks_are_valid(block: Block, placeholders: Path) -> None:
         pytest.fail(f"{block.where}: {exc}")
     if file:
         assert (ROOT / file[0]).read_text() == block.text, f"{block.where} differs from {file[0]}"
+
+
+@pytest.mark.parametrize("block", [b for b in MARKED if b.kind == "file"], ids=lambda b: b.where)
+def test_file_blocks_are_the_files(block: Block) -> None:
+    (file,), _ = _options(block.args)
+    assert (ROOT / file).read_text() == block.text, f"{block.where} differs from {file}"
 
 
 PLACEHOLDER = re.compile(r"(?<![\w.])/(?:models|path/to)/[\w./-]*")

@@ -13,7 +13,7 @@ from async_rl.model.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, build_byte
 from async_rl.model.presets import save_pretrained_dir
 from async_rl.model.token_mask import masked_token_ids
 from async_rl.tasks import TaskConfig, build_task
-from async_rl.tasks.reasoning_gym import HELD_OUT_START, ReasoningGymTask
+from async_rl.tasks.reasoning_gym import ANSWER_FORMAT, HELD_OUT_START, ReasoningGymTask
 
 pytest.importorskip("reasoning_gym")
 pytest.importorskip("math_verify")
@@ -48,9 +48,10 @@ def test_reasoning_gym_task_splits_scores_and_rebuilds_entries(model_dir: Path) 
     assert {p.metadata["entry"] for p in train}.isdisjoint({p.metadata["entry"] for p in held_out})
     assert all(p.metadata["entry"] >= HELD_OUT_START for p in held_out)
     assert task.prompt(5).prompt_ids.tolist() == train[5].prompt_ids.tolist()  # deterministic by index
-    p = train[0]
-    assert p.prompt_ids[0] == BOS_ID and tok.decode(p.prompt_ids[1:]) == p.metadata["prompt"]
+    p = train[0]  # the directory's tokenizer has a chat template: the question is a user message, then the format
     assert p.metadata["prompt"].startswith("Calculate") and p.metadata["prompt"].endswith("\n")
+    assert tok.decode(p.prompt_ids) == (f"<bos><|im_start|>user\n{p.metadata['prompt'].rstrip()}\n\n{ANSWER_FORMAT}"
+                                        "<eos><|im_start|>assistant\n")  # fmt: skip
     json.dumps(p.metadata)  # small and plain: it travels in the prompt record
     # A second task from the same config (the generator's) scores the learner's prompt with the dataset's scorer.
     scorer = build_task(cfg)
@@ -88,7 +89,8 @@ def test_math_verify_reward_for_jsonl(tmp_path: Path, model_dir: Path) -> None:
     p0, p1 = task.prompt(0), task.prompt(1)
     assert task.score(p0.metadata, tok("so it is \\boxed{\\frac{1}{2}}", add_special_tokens=False).input_ids).reward == 1.0
     assert task.score(p0.metadata, tok("0.25", add_special_tokens=False).input_ids).reward == 0.0
-    assert task.score(p1.metadata, tok("x = 2", add_special_tokens=False).input_ids).info == {"correct": 1.0}
+    assert task.score(p1.metadata, tok("x = 2", add_special_tokens=False).input_ids).info == {"correct": 1.0,
+                                                                                            "unparsable_reference": 0.0}
 
 
 def test_toy_tasks_have_a_held_out_stream() -> None:

@@ -106,5 +106,8 @@ class PythonToolTask(RowsEnvTask):
             raise ValueError(f"task.jsonl_path {str(path)!r} has no prompts")
 
 
+    def prompt_text(self, prompt_ids: np.ndarray) -> str:
+        return self.codec.show(prompt_ids)
+
     def episode(self, metadata: Mapping[str, Any]) -> Episode:
         return PythonToolEpisode(str(metadata["answer"]), self.codec, self.sandbox)

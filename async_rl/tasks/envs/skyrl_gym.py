@@ -135,6 +135,9 @@ class SkyrlGymTask(RowsEnvTask):
         return ids, meta
 
 
+    def prompt_text(self, prompt_ids: np.ndarray) -> str:
+        return self.codec.show(prompt_ids)
+
     def episode(self, metadata: Mapping[str, Any]) -> Episode:
         env = _make_env(str(metadata["env_class"]), self.env_args, metadata.get("extras") or {})
         return SkyrlGymEpisode(env, self.codec, as_messages(metadata["messages"], "metadata['messages']"))

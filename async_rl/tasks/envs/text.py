@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from async_rl.model import toy_tokenizer as tt
+from async_rl.tasks.text import show_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -62,6 +63,10 @@ class TextCodec(abc.ABC):
     def decode(self, ids: np.ndarray) -> str:
         """Text of a model turn, cut at its end token, special tokens dropped."""
 
+    def show(self, ids: np.ndarray) -> str:
+        """Text of token ids with the special tokens shown, as the model reads them (for logs; default: the ids)."""
+        return f"token ids {np.asarray(ids).tolist()}"
+
 
 class ToyCodec(TextCodec):
     """The toy character tokenizer: messages are their contents, concatenated (no roles)."""
@@ -80,6 +85,9 @@ class ToyCodec(TextCodec):
         if tt.EOS_ID in out:
             out = out[: out.index(tt.EOS_ID)]
         return tt.decode(out)
+
+    def show(self, ids: np.ndarray) -> str:
+        return tt.decode(np.asarray(ids).tolist(), skip_special=False)
 
     @staticmethod
     def _encode(messages: Sequence[Message]) -> list[int]:
@@ -136,6 +144,9 @@ class ChatTemplateCodec(TextCodec):
         if eos is not None and eos in out:
             out = out[: out.index(eos)]
         return str(self.tokenizer.decode(out, skip_special_tokens=True))
+
+    def show(self, ids: np.ndarray) -> str:
+        return show_ids(self.tokenizer, ids)
 
 
 def make_codec(tokenizer: str) -> TextCodec:

@@ -97,6 +97,9 @@ class ToolCopyTask(EnvTask):
         return PromptSpec(prompt_id=f"{self.name}-{self.seed}-{index}", prompt_ids=ids,
                           metadata={"task": self.name, "index": index, "target": target})  # fmt: skip
 
+    def prompt_text(self, prompt_ids: np.ndarray) -> str:
+        return tt.decode(np.asarray(prompt_ids).tolist(), skip_special=False)
+
     def episode(self, metadata: Mapping[str, Any]) -> Episode:
         target = metadata.get("target")
         if not isinstance(target, str):

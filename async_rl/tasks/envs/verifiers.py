@@ -269,5 +269,8 @@ class VerifiersTask(RowsEnvTask):
             log.warning("task.env.id %r: %d rows offer tools, but the chat template of task.tokenizer does not list "
                         "tools: the model is not shown them", env_id, with_tools)  # fmt: skip
 
+    def prompt_text(self, prompt_ids: np.ndarray) -> str:
+        return self.codec.show(prompt_ids)
+
     def episode(self, metadata: Mapping[str, Any]) -> Episode:
         return VerifiersEpisode(self.env, self.codec, dict(metadata["input"]), self.tool_parser)
