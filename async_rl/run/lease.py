@@ -5,7 +5,8 @@
   counter (``Names.learner_fence``, field ``n``) for the new holder's token. The holder renews it every ``ttl_s / 3``
   (:meth:`RunLease.keep`: a task of the learner's TaskGroup; :meth:`RunLease.kept_alive`: a thread while the backend
   is built) and deletes it when it leaves (:meth:`RunLease.release`). A learner killed without a word leaves it to
-  expire: the next one takes it at most ``ttl_s`` later.
+  expire: the next one takes it at most ``ttl_s`` later; on the same host (same boot and pid namespace) at once, when
+  the holder's process is gone (its pid no longer runs the process that took the lease).
 * **The token** is ``<n>:<nonce>`` (the counter, and a random nonce, so a token never repeats even where the run's
   Redis state was lost and the counter started over); the holder's token is the fence's ``current`` field. Every learner
   write that matters runs in a Lua script (or a ``MULTI`` of them) that first compares ``current`` with the token it
@@ -56,27 +57,32 @@ if fence_now ~= fence_token then
                            tostring(fence_now) .. ': the write is refused')
 end
 """
-# KEYS: lease, fence; ARGV: ttl ms, nonce, host, pid, run_dir. Reply: {token or '', the holder's fields, its PTTL, now}.
+# KEYS: lease, fence; ARGV: ttl ms, nonce, the token of a holder known to be gone ('': none), then the holder's fields
+# (name, value, ...). Takes the lease where there is none, or where it is still the gone holder's.
+# Reply: {token, {}, 0, now} taken; {'', the holder's fields, its PTTL in ms, now} held.
 _TAKE_LUA = """
 local t = redis.call('TIME')
 local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
-if redis.call('EXISTS', KEYS[1]) == 1 then
+local cur = redis.call('HGET', KEYS[1], 'token')
+if cur and cur ~= ARGV[3] then
   return {'', redis.call('HGETALL', KEYS[1]), redis.call('PTTL', KEYS[1]), now}
 end
 local token = redis.call('HINCRBY', KEYS[2], 'n', 1) .. ':' .. ARGV[2]
 redis.call('HSET', KEYS[2], 'current', token)
-redis.call('HSET', KEYS[1], 'token', token, 'host', ARGV[3], 'pid', ARGV[4], 'since', now, 'run_dir', ARGV[5])
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'token', token, 'since', now, unpack(ARGV, 4))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return {token, {}, 0, now}
 """
-# KEYS: lease, fence; ARGV: token, ttl ms, host, pid, since, run_dir. Reply: {1} renewed, {0, the lease's fields} lost.
+# KEYS: lease, fence; ARGV: token, ttl ms, since, then the holder's fields. Reply: {1} renewed; {0, the lease's fields}
+# lost. A lease that expired while nobody took the run is this learner's still (the fence says so): made again.
 _RENEW_LUA = """
 if redis.call('HGET', KEYS[2], 'current') ~= ARGV[1] then
   return {0, redis.call('HGETALL', KEYS[1])}
 end
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'host', ARGV[3], 'pid', ARGV[4], 'since', ARGV[5], 'run_dir', ARGV[6])
+  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'since', ARGV[3], unpack(ARGV, 4))
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1}
@@ -123,6 +129,14 @@ class Holder:
     """Seconds it has held it (the Redis server's clock)."""
     ttl_s: float = 0.0
     """Seconds left before the lease expires unless renewed."""
+    node: str = ""
+    """The holder's machine boot and pid namespace ('' unknown): where they are ours, its pid can be looked at."""
+    pid_start: str = ""
+    """The holder process's start time (clock ticks after boot): a pid reused by another process is not it."""
+
+    def gone_here(self) -> bool:
+        """Whether the holder ran on this machine and pid namespace and its process is gone (killed, crashed)."""
+        return bool(self.node) and self.node == node_id() and process_start(self.pid) != self.pid_start
 
     @property
     def number(self) -> str:
@@ -144,7 +158,7 @@ class Holder:
         since = float(f.get("since") or 0)
         return cls(token=f.get("token", "?"), host=f.get("host", "?"), pid=int(f.get("pid") or 0), since=since,
                    run_dir=f.get("run_dir", "?"), age_s=max(0.0, now - since) if since else 0.0,
-                   ttl_s=max(0, int(pttl_ms)) / 1000)  # fmt: skip
+                   ttl_s=max(0, int(pttl_ms)) / 1000, node=f.get("node", ""), pid_start=f.get("pid_start", ""))  # fmt: skip
 
 
 class LeaseHeld(RuntimeError):
@@ -153,10 +167,10 @@ class LeaseHeld(RuntimeError):
     holder: Holder
 
     def __init__(self, prefix: str, holder: Holder) -> None:
-        super().__init__(f"run {prefix!r} already has a learner: {holder.describe()}; this learner stopped before "
-                         "loading or writing anything. Stop that one first (it releases the run at once; killed, it "
-                         "frees it within learner.lease.ttl_s), or set lease.wait=true to stand by and take over "
-                         "when it ends")  # fmt: skip
+        super().__init__(f"run {prefix!r} already has a learner: {holder.describe()}; this one stopped before loading "
+                         f"or writing anything. Stop that learner first (stopped, it frees the run at once; if it is "
+                         f"gone, its lease ends in {holder.ttl_s:.0f}s), or set lease.wait=true to stand by and take "
+                         "over when it ends")  # fmt: skip
         self.holder = holder
 
 
@@ -252,7 +266,8 @@ class RunLease:
     lost: Holder | None
     """Set when a renewal found another learner's token current."""
     _url: str
-    _fields: tuple[str, str, str]
+    _fields: list[str]
+    """The holder's fields as the lease keeps them (name, value, ...), besides its token and since."""
     _nonce: str
 
     def __init__(self, redis_url: str, names: Names, cfg: LeaseConfig, *, run_dir: Path | str) -> None:
@@ -262,7 +277,9 @@ class RunLease:
         self.since = ""
         self.lost = None
         self._url = redis_url
-        self._fields = (socket.gethostname(), str(os.getpid()), str(Path(run_dir).resolve()))
+        pid = os.getpid()
+        self._fields = ["host", socket.gethostname(), "pid", str(pid), "run_dir", str(Path(run_dir).resolve()),
+                        "node", node_id(), "pid_start", process_start(pid)]  # fmt: skip
         self._nonce = uuid.uuid4().hex[:12]
 
     @property
@@ -278,10 +295,11 @@ class RunLease:
         return redis.Redis.from_url(self._url, socket_connect_timeout=timeout, socket_timeout=timeout)
 
     # ---- taking it -----------------------------------------------------------------------------------------
-    def try_take(self, client: redis.Redis) -> Holder | None:
-        """One attempt: None when this learner took the lease (:attr:`fence` set), else the holder."""
+    def try_take(self, client: redis.Redis, gone: str = "") -> Holder | None:
+        """One attempt: None when this learner took the lease (:attr:`fence` set), else the holder. ``gone``: the
+        token of a holder known to be dead, whose lease may be taken before it expires."""
         n = self.names
-        res: Any = client.eval(_TAKE_LUA, 2, n.learner_lease, n.learner_fence, self._ttl_ms, self._nonce,
+        res: Any = client.eval(_TAKE_LUA, 2, n.learner_lease, n.learner_fence, self._ttl_ms, self._nonce, gone,
                                *self._fields)  # fmt: skip
         token, fields, pttl, now = _text(res[0]), res[1], int(res[2]), float(_text(res[3]))
         if token:
@@ -296,12 +314,18 @@ class RunLease:
         """Take the run's lease (or raise :class:`LeaseHeld`); with ``lease.wait``, stand by until it is free.
         Returns the holder this learner waited for (None: the lease was free)."""
         waited_for: Holder | None = None
+        gone = ""
         t0 = time.monotonic()
         with contextlib.closing(self._client()) as client:
             while True:
-                holder = self.try_take(client)
+                holder = self.try_take(client, gone)
                 if holder is None:
                     break
+                if holder.gone_here() and holder.token != gone:  # killed on this host: no need to wait for the TTL
+                    log.info("run %r was held by %s, whose process is gone: taking it over", self.names.prefix,
+                             holder.describe())  # fmt: skip
+                    gone = holder.token
+                    continue
                 if not self.cfg.wait:
                     raise LeaseHeld(self.names.prefix, holder)
                 if waited_for is None or holder.token != waited_for.token:
@@ -326,8 +350,8 @@ class RunLease:
     def _renew_args(self) -> tuple[Any, ...]:
         assert self.fence is not None, "take the lease first"
         n = self.names
-        return (_RENEW_LUA, 2, n.learner_lease, n.learner_fence, self.fence.token, self._ttl_ms, *self._fields[:2],
-                self.since, self._fields[2])  # fmt: skip
+        return (_RENEW_LUA, 2, n.learner_lease, n.learner_fence, self.fence.token, self._ttl_ms, self.since,
+                *self._fields)  # fmt: skip
 
     def _renewed(self, res: Any) -> bool:
         if int(res[0]):
@@ -408,6 +432,28 @@ class RunLease:
         if holder is not None and self.fence is not None and holder.token != self.fence.token:
             self.lost = holder
         return str(self.lost_error())
+
+
+def node_id() -> str:
+    """This machine's boot and pid namespace ('' where /proc does not say): processes with the same node id see each
+    other's pids."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}/{namespace}"
+
+
+def process_start(pid: int) -> str:
+    """When process ``pid`` started (clock ticks after boot, ``/proc/<pid>/stat`` field 22); '' when there is no such
+    process, or only its zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": field 3 (the state) on
+    return "" if fields[0] in ("Z", "X") else fields[19]
 
 
 def _text(v: Any) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from tests.integration.poison import valid_record
 
 FACTS = ModelFacts(vocab_size=22, max_seq_len=64, num_moe_layers=2, top_k=2, num_experts=4)
 TTL_S = 1.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _lease(servers: ServerSet, names: Names, *, wait: bool = False, run_dir: str = "runs/a") -> RunLease:
@@ -163,3 +165,41 @@ async def test_every_fenced_write_of_a_stale_token_is_refused(servers: ServerSet
     counters = await Audit(redis_client, names).counters()
     assert counters == {"issued": 6, "trained": 4, "dropped_stale": 0, "dead_lettered": 0, "in_flight": 2}
     assert await redis_client.get(names.weights_latest) == b"1"
+
+
+def test_a_holder_killed_on_this_host_is_replaced_at_once(servers: ServerSet, names: Names) -> None:
+    """Same machine and pid namespace: the holder's pid is looked at, so a restart after a kill -9 need not wait for
+    the lease's time-to-live (10 s here); a live holder, or a pid reused by another process, is not taken for gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import sys, time; from async_rl.run.lease import LeaseConfig, RunLease; from async_rl.run.names import "
+              "Names; RunLease(sys.argv[1], Names(prefix=sys.argv[2]), LeaseConfig(ttl_s=10), run_dir='.').take(); "
+              "print('held', flush=True); time.sleep(60)")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", script, servers.redis_url, names.prefix], stdout=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"held"
+        with pytest.raises(LeaseHeld) as refused:  # alive: refused, naming it
+            _lease(servers, names).take()
+        holder = refused.value.holder
+        assert holder.pid == proc.pid and not holder.gone_here() and holder.ttl_s > 8
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        restarted = _lease(servers, names)
+        assert restarted.take() is None and restarted.token_number == "2"
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        proc.kill()
+        proc.wait()
+    # A pid that runs another process than the one that took the lease is gone too; this process is not.
+    import dataclasses
+
+    from async_rl.run.lease import process_start
+
+    me = dataclasses.replace(holder, pid=os.getpid(), pid_start=process_start(os.getpid()))
+    assert not me.gone_here() and dataclasses.replace(me, pid_start="1").gone_here()
+    assert not dataclasses.replace(me, pid_start="1", node="another-machine/1").gone_here()
