@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
     from async_rl.run.lease import is_fenced
 
     backend = None
+    line = None  # the one line of a failure, printed last
     try:
         with lease.kept_alive() if lease is not None else contextlib.nullcontext():  # renewed while it loads
             backend = build_backend(cfg)
@@ -77,15 +78,14 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
         asyncio.run(_run())
     except Exception as exc:  # a server lost, another learner took the run: one line, non-zero, for the supervisor
         if lease is not None and is_fenced(exc):
-            print(f"{prog}: {lease.fenced_line()}", file=sys.stderr)
-            return 1
-        line = describe_failure(exc, cfg.run.redis_url, cfg.run.nats_url)
-        if line is None and isinstance(exc, StartupError):
-            line = str(exc)
-        if line is None:
-            raise
-        print(f"{prog}: {line}; exiting", file=sys.stderr)
-        return 1
+            line = lease.fenced_line()
+        else:
+            line = describe_failure(exc, cfg.run.redis_url, cfg.run.nats_url)
+            if line is None and isinstance(exc, StartupError):
+                line = str(exc)
+            if line is None:
+                raise
+            line += "; exiting"
     finally:
         if backend is not None:
             backend.close()
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
             lease.release()  # a standing-by learner takes over at once
         if servers is not None:
             servers.stop()
+    if line is not None:
+        print(f"{prog}: {line}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 FENCED_MARK = "FENCED:"
 """What a refused write's error says first (redis-py prefixes errors inside a ``MULTI`` with the command's place)."""
+RELEASE_TIMEOUT_S = 1.0
+"""A leaving learner gives Redis this long to take its lease back (else it expires by itself): a learner leaving
+because Redis is gone must not wait longer to say so."""
 STANDBY_POLL_PARTS = 4
 """A standing-by learner looks at the lease every ``ttl_s / 4`` at most, and just after it would expire: it takes over
 at most that long after a holder released it, and within a few ms of an expiry."""
@@ -290,8 +293,8 @@ class RunLease:
     def renew_every_s(self) -> float:
         return self.cfg.ttl_s / 3
 
-    def _client(self) -> redis.Redis:
-        timeout = max(2.0, self.cfg.ttl_s / 3)
+    def _client(self, timeout_s: float | None = None) -> redis.Redis:
+        timeout = timeout_s or max(2.0, self.cfg.ttl_s / 3)
         return redis.Redis.from_url(self._url, socket_connect_timeout=timeout, socket_timeout=timeout)
 
     # ---- taking it -----------------------------------------------------------------------------------------
@@ -335,8 +338,8 @@ class RunLease:
                 time.sleep(min(holder.ttl_s + 0.01, self.cfg.ttl_s / STANDBY_POLL_PARTS))
         assert self.fence is not None
         if waited_for is not None:
-            log.info("took run %r over (token %s) after standing by %.1fs; the learner before was %s",
-                     self.names.prefix, self.token_number, time.monotonic() - t0, waited_for.describe())  # fmt: skip
+            log.info("took run %r over (token %s) from pid %d on host %s after standing by %.1fs", self.names.prefix,
+                     self.token_number, waited_for.pid, waited_for.host, time.monotonic() - t0)  # fmt: skip
         else:
             log.info("holding run %r (token %s; lease.ttl_s=%g, renewed every %.1fs)", self.names.prefix,
                      self.token_number, self.cfg.ttl_s, self.renew_every_s)  # fmt: skip
@@ -410,10 +413,10 @@ class RunLease:
             return False
         n = self.names
         try:
-            with contextlib.closing(self._client()) as client:
+            with contextlib.closing(self._client(RELEASE_TIMEOUT_S)) as client:
                 return bool(client.eval(_RELEASE_LUA, 2, n.learner_lease, n.learner_fence, self.fence.token))
-        except RedisError as exc:
-            log.warning("releasing run %r's lease failed (it expires in %gs): %s", n.prefix, self.cfg.ttl_s, exc)
+        except RedisError as exc:  # on the way out, often because Redis is gone: the lease expires by itself
+            log.debug("releasing run %r's lease failed (it expires within %gs): %s", n.prefix, self.cfg.ttl_s, exc)
             return False
 
     def current_holder(self) -> Holder | None:
