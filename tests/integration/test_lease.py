@@ -162,8 +162,13 @@ async def test_every_fenced_write_of_a_stale_token_is_refused(servers: ServerSet
     await PromptQueue(redis_client, names, fence=new.fence).issue(_specs(2, start=10), version=1)
     await WeightPublisher(redis_client, RedisTransport(servers.redis_url, names), names,
                           fence=new.fence).publish({"w": torch.zeros(4)}, 1)  # fmt: skip
+    await PromptQueue(redis_client, names).ack(await PromptQueue(redis_client, names).read("gen", count=1))
+    await writer.append(valid_record("p10", np.array([1, 2, 3], dtype=np.int32), FACTS, version=1, num_samples=2,
+                                     seed=10))  # fmt: skip
+    [entry] = await reader_new.read("learner", count=1)
+    await reader_new.quarantine([entry], "refused by the backend")  # its dead letter, under the current token
     counters = await Audit(redis_client, names).counters()
-    assert counters == {"issued": 6, "trained": 4, "dropped_stale": 0, "dead_lettered": 0, "in_flight": 2}
+    assert counters == {"issued": 6, "trained": 4, "dropped_stale": 0, "dead_lettered": 1, "in_flight": 1}
     assert await redis_client.get(names.weights_latest) == b"1"
 
 
