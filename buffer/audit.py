@@ -12,6 +12,9 @@
   (``lag n``), ``dead_lettered`` (the reason).
 * **Exact totals.** ``issued = trained + dropped_stale + dead_lettered + in flight`` where in flight
   is ``HLEN`` of the open hash; admission control bounds that number.
+* **Fenced.** An audit built with the learner's :class:`~async_rl.run.lease.Fence` runs both scripts fenced: a
+  learner whose token is no longer the run's current one issues nothing and finishes nothing (Redis refuses the
+  script before it writes).
 * **Retention.** The fates stream keeps the newest ``max_fates`` fates (``XADD MAXLEN ~``); counters
   keep every total for the life of the run. :func:`audit_run` checks the totals, compares them with
   the fates still kept, and locates every open prompt in the prompt or rollout stream: one found in
@@ -27,6 +30,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from async_rl.run.lease import Fence, fenced
 from async_rl.run.names import Names
 from async_rl.wire import WireError, decode_prompt
 from buffer.streams import check_client, sid
@@ -93,21 +97,24 @@ class Audit:
     cfg: AuditConfig
     fates_allowed: tuple[str, ...]
     """The fates this audit records: :data:`FATES` for training prompts, :data:`EVAL_FATES` for evaluation's."""
+    fence: Fence | None
+    """The learner's fence: issues and fates are refused by Redis unless its token is the run's current one."""
 
     def __init__(self, redis: aioredis.Redis, names: Names, cfg: AuditConfig | None = None,
-                 fates: tuple[str, ...] = FATES) -> None:  # fmt: skip
+                 fates: tuple[str, ...] = FATES, *, fence: Fence | None = None) -> None:  # fmt: skip
         self.redis = check_client(redis, "Audit")
         self.names = names
         self.cfg = cfg or AuditConfig()
         self.fates_allowed = fates
+        self.fence = fence
 
-    def issue_args(self, version: int, items: Sequence[tuple[str, bytes]]) -> tuple[str, int, list[Any]]:
-        """Script, key count and arguments that issue ``(prompt id, encoded spec)`` pairs at ``version``."""
+    def issue_args(self, version: int, items: Sequence[tuple[str, bytes]]) -> tuple[Any, ...]:
+        """The arguments of ``EVAL`` that issue ``(prompt id, encoded spec)`` pairs at ``version`` (fenced)."""
         n = self.names
-        args: list[Any] = [n.prompts_stream, n.audit_open, n.audit_counters, version, repr(time.time())]
+        args: list[Any] = [version, repr(time.time())]
         for pid, spec in items:
             args += [pid, spec]
-        return _ISSUE_LUA, 3, args
+        return fenced(self.fence, _ISSUE_LUA, [n.prompts_stream, n.audit_open, n.audit_counters], args)
 
     def finish_into(self, pipe: Any, fate: str, items: Iterable[tuple[str, str]]) -> bool:
         """Queue, in ``pipe`` (a transaction), the fate of each ``(prompt id, detail)``; False when there are none."""
@@ -119,8 +126,8 @@ class Audit:
         if not flat:
             return False
         n = self.names
-        pipe.eval(_FINISH_LUA, 3, n.audit_open, n.audit_fates, n.audit_counters, fate, self.cfg.max_fates,
-                  repr(time.time()), *flat)  # fmt: skip
+        pipe.eval(*fenced(self.fence, _FINISH_LUA, [n.audit_open, n.audit_fates, n.audit_counters],
+                          [fate, self.cfg.max_fates, repr(time.time()), *flat]))  # fmt: skip
         return True
 
     async def finish(self, fate: str, items: Iterable[tuple[str, str]]) -> int:

@@ -5,6 +5,8 @@ to ``Names.dead_letters_stream`` (reason, the last line of the error's traceback
 source entry id, generator and group id when known, the payload when small), acked and deleted
 from its source, counted in the source's counters hash (field ``dead_letters``), and, when it
 belongs to a prompt still in flight, that prompt's fate is ``dead_lettered`` (:mod:`buffer.audit`).
+The learner's dead letters carry its fence: the transaction ``WATCH``es the run's token and runs only while it is
+the learner's (:mod:`async_rl.run.lease`), so a learner fenced out of its run moves nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from async_rl.run.lease import Fence, watched
 from async_rl.run.names import Names
 from buffer.audit import Audit
 from buffer.streams import check_client, field_str
@@ -75,12 +78,16 @@ class DeadLetters:
     names: Names
     cfg: DeadLettersConfig
     audit: Audit
+    fence: Fence | None
+    """The learner's fence (None: a generator's dead letters, not fenced)."""
 
-    def __init__(self, redis: aioredis.Redis, names: Names, cfg: DeadLettersConfig | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, names: Names, cfg: DeadLettersConfig | None = None, *,
+                 fence: Fence | None = None) -> None:  # fmt: skip
         self.redis = check_client(redis, "DeadLetters")
         self.names = names
         self.cfg = cfg or DeadLettersConfig()
-        self.audit = Audit(self.redis, names)
+        self.fence = fence
+        self.audit = Audit(self.redis, names, fence=fence)
 
     async def quarantine(
         self,
@@ -119,7 +126,9 @@ class DeadLetters:
         }
         if payload is not None and size <= self.cfg.max_payload_bytes:
             letter["payload"] = payload
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=True) as pipe, watched(self.fence):
+            if self.fence is not None:
+                await self.fence.watch(pipe)
             pipe.xadd(self.names.dead_letters_stream, letter, maxlen=self.cfg.max_len, approximate=True)
             pipe.xack(source_stream, group, source_id)
             pipe.xdel(source_stream, source_id)

@@ -27,6 +27,7 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
+from async_rl.run.lease import Fence
 from async_rl.run.names import Names
 from async_rl.wire import PromptSpec
 from buffer.audit import EVAL_FATES, Audit
@@ -88,11 +89,13 @@ class EvalQueue:
     audit: Audit
     prompts: PromptQueue
 
-    def __init__(self, redis: aioredis.Redis, names: Names, cfg: PromptQueueConfig | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, names: Names, cfg: PromptQueueConfig | None = None, *,
+                 fence: Fence | None = None) -> None:  # fmt: skip
+        """``fence``: the learner's (its issues are refused unless its token is the run's current one)."""
         self.redis = check_client(redis, "EvalQueue")
         self.names = names
-        self.audit = Audit(self.redis, names.evaluation, fates=EVAL_FATES)
-        self.prompts = PromptQueue(self.redis, names.evaluation, cfg, audit=self.audit)
+        self.audit = Audit(self.redis, names.evaluation, fates=EVAL_FATES, fence=fence)
+        self.prompts = PromptQueue(self.redis, names.evaluation, cfg, audit=self.audit, fence=fence)
 
     # ---- learner side ------------------------------------------------------------------
     async def issue(self, specs: Sequence[PromptSpec], version: int) -> int:

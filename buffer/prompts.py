@@ -27,6 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from async_rl.run.lease import Fence
 from async_rl.run.names import Names
 from async_rl.wire import PromptSpec, WireError, decode_prompt, encode_prompt
 from buffer.audit import Audit
@@ -102,14 +103,15 @@ class PromptQueue:
     _in_flight: dict[str, str]
 
     def __init__(self, redis: aioredis.Redis, names: Names, cfg: PromptQueueConfig | None = None,
-                 audit: Audit | None = None) -> None:  # fmt: skip
+                 audit: Audit | None = None, *, fence: Fence | None = None) -> None:  # fmt: skip
         """``audit``: the audit of this queue's prompts (default: the run's training audit; :mod:`buffer.evals`
-        passes the evaluation queue's)."""
+        passes the evaluation queue's). ``fence``: the learner's; its issues are refused by Redis unless its token is
+        the run's current one (:mod:`async_rl.run.lease`)."""
         self.redis = check_client(redis, "PromptQueue")
         self.names = names
         self.cfg = cfg or PromptQueueConfig()
-        self.dead_letters = DeadLetters(self.redis, names, self.cfg.dead_letters)
-        self.audit = audit or Audit(self.redis, names)
+        self.dead_letters = DeadLetters(self.redis, names, self.cfg.dead_letters, fence=fence)
+        self.audit = audit or Audit(self.redis, names, fence=fence)
         self._reclaimer = Reclaimer(names.prompts_stream, names.prompts_group)
         self._group_ready = False
         self._in_flight = {}  # entry id -> consumer holding it
@@ -153,8 +155,7 @@ class PromptQueue:
         if len({pid for pid, _ in items}) != len(items):
             raise ValueError("issue: prompt ids must be distinct")
         await self._ensure_group()
-        script, num_keys, args = self.audit.issue_args(version, items)
-        res: Any = await self.redis.eval(script, num_keys, *args)
+        res: Any = await self.redis.eval(*self.audit.issue_args(version, items))
         ids = [sid(r) for r in res]
         refused = [pid for (pid, _), eid in zip(items, ids, strict=True) if not eid]
         if refused:

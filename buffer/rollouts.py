@@ -20,6 +20,9 @@ them through a group (here).
   and deleted, only when it is this run's (``Names.is_rollout_payload``).
 * **Fates move with acks.** :meth:`RolloutReader.ack` and :meth:`RolloutReader.ack_dropped` record
   the prompts' fates (``trained``, ``dropped_stale``) in the transaction that acks their entries.
+* **Fenced.** The learner's reader carries its :class:`~async_rl.run.lease.Fence`: the ack script and the fates
+  script of that transaction, and its dead letters, are refused by Redis unless its token is the run's current one,
+  so a learner another one took the run from commits nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from async_rl.run.lease import Fence, fenced
 from async_rl.run.names import Names
 from async_rl.wire import WireError, decode_group
 from async_rl.wire.types import GroupRecord
@@ -115,6 +119,7 @@ class RolloutReader:
     cfg: RolloutReaderConfig
     checker: EntryChecker | None
     check_issued: bool
+    fence: Fence | None
     dead_letters: DeadLetters
     audit: Audit
     _reclaimer: Reclaimer
@@ -132,15 +137,18 @@ class RolloutReader:
         *,
         checker: EntryChecker | None = None,
         check_issued: bool = False,
+        fence: Fence | None = None,
     ) -> None:
         """``checker``: model and run facts every record must pass; ``check_issued``: refuse records whose prompt
-        id is not in flight in the audit (the learner's setting; benchmarks and tests may write records freely)."""
+        id is not in flight in the audit (the learner's setting; benchmarks and tests may write records freely);
+        ``fence``: the learner's (acks, fates and dead letters refused unless its token is the run's current one)."""
         self.redis = check_client(redis, "RolloutReader")
         self.names = names
         self.cfg = cfg or RolloutReaderConfig()
         self.checker = checker
         self.check_issued = check_issued
-        self.dead_letters = DeadLetters(self.redis, names, self.cfg.dead_letters)
+        self.fence = fence
+        self.dead_letters = DeadLetters(self.redis, names, self.cfg.dead_letters, fence=fence)
         self.audit = self.dead_letters.audit
         self._reclaimer = Reclaimer(names.rollouts_stream, names.rollouts_group)
         self._in_flight = {}  # entry id -> consumer holding it
@@ -386,8 +394,9 @@ class RolloutReader:
             keys += [k for k in refs if self.names.is_rollout_payload(k)]
         n = self.names
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.eval(_ACK_LUA, 4 + len(keys), stream, n.rollout_counters, n.rollout_acks_stream, n.rollout_errors,
-                      *keys, n.rollouts_group, counter, ACKS_MAXLEN, *ids)  # fmt: skip
+            pipe.eval(*fenced(self.fence, _ACK_LUA, [stream, n.rollout_counters, n.rollout_acks_stream,
+                                                     n.rollout_errors, *keys],
+                              [n.rollouts_group, counter, ACKS_MAXLEN, *ids]))  # fmt: skip
             if fate is not None:
                 self.audit.finish_into(pipe, fate, fates)
             # The commit of a step's acks must not be cut in half by a cancellation.

@@ -1,5 +1,6 @@
 """``async-rl status``: generators alive (from heartbeats), their versions and throughput, stream
-depths, pending counts, dead letters, learner version and published weight versions.
+depths, pending counts, dead letters, learner version and published weight versions, and which learner holds the
+run (its lease: host, pid, how long, token).
 
 Generators that left (their last heartbeat said 'stopping') or were lost (no heartbeat for a while: killed, host
 gone) stay in the table from the learner's registry (``names.generators``), with the prompts they still hold
@@ -17,6 +18,7 @@ from typing import Any
 
 from async_rl.entry import first_sentence
 from async_rl.run.config import RunConfig
+from async_rl.run.lease import Holder
 from buffer.prompts import PromptQueueConfig
 
 STALENESS_NOTE = ("versions behind: the learner's version now minus the weights the generator sampled with at its "
@@ -59,6 +61,8 @@ async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) 
         await asyncio.sleep(listen_s)
         stats = await buffer_stats(client, names)
         raw_state: dict[bytes, bytes] = await client.hgetall(names.learner_state)  # type: ignore[assignment]
+        lease_raw, lease_pttl, server_time = (await client.hgetall(names.learner_lease),  # type: ignore[misc]
+                                              await client.pttl(names.learner_lease), await client.time())  # fmt: skip
         learner = {k.decode(): v.decode() for k, v in raw_state.items()}
         versions = [int(v) for v in await client.zrange(names.weights_versions, 0, -1)]  # type: ignore[arg-type]
         latest = await client.get(names.weights_latest)
@@ -88,9 +92,14 @@ async def snapshot(run: RunConfig, heartbeats: dict[str, Any], listen_s: float) 
             "pending_prompts": int(held["pending"]),
             "reclaim_in_s": round(max(reclaim_ms - int(held["idle_ms"]), 0) / 1000) if held["pending"] else None,
         })  # fmt: skip
+    holder = Holder.parse(lease_raw, server_time[0] + server_time[1] / 1e6, int(lease_pttl))
     return {
         "prefix": run.prefix,
         "learner": learner,
+        # Who holds the run's lease (async_rl/run/lease.py), None: no learner holds it now.
+        "lease": None if holder is None else {"host": holder.host, "pid": holder.pid, "since": holder.since,
+                                              "held_s": round(holder.age_s, 1), "token": holder.number,
+                                              "run_dir": holder.run_dir, "expires_in_s": holder.ttl_s},  # fmt: skip
         "weights": {"latest": int(latest) if latest else None, "kept": versions},
         "generators": gens,
         "buffer": stats,
@@ -136,7 +145,11 @@ def render(snap: dict[str, Any]) -> Any:
 
     learner = snap["learner"]
     b = snap["buffer"]
-    head = Table(title=f"async-rl run {snap['prefix']!r}", show_header=True)
+    lease = snap.get("lease")
+    holder = ("no learner holds the run" if lease is None else
+              f"learner: pid {lease['pid']} on host {lease['host']}, holding the run for {lease['held_s']:.0f}s "
+              f"(token {lease['token']})")  # fmt: skip
+    head = Table(title=f"async-rl run {snap['prefix']!r}", caption=holder, show_header=True)
     for col in ("learner step", "learner version", "published", "rollout backlog", "duplicates", "dead letters"):
         head.add_column(col, justify="right")
     head.add_row(str(learner.get("step", "-")), str(learner.get("version", "-")), str(snap["weights"]["latest"]),

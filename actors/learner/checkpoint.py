@@ -8,6 +8,10 @@ never a half-written one. The learner acks rollout entries only after the checkp
 includes their step is committed, so after a restart every group is trained exactly once:
 groups of committed steps are skipped by id, groups of lost steps are re-read (their
 entries were never acked).
+
+:meth:`CheckpointManager.save` is :meth:`~CheckpointManager.write` (the directory) then
+:meth:`~CheckpointManager.point_latest` (``latest`` and pruning): the learner checks its fencing token before each
+(:mod:`async_rl.run.lease`), so a learner another one took the run from moves no ``latest`` it shares.
 """
 
 from __future__ import annotations
@@ -68,6 +72,13 @@ class CheckpointManager:
         return path if (path / STATE_FILE).is_file() else None
 
     def save(self, backend: TrainingBackend, state: LearnerState) -> Path:
+        """Write a checkpoint of ``state`` and make it the latest."""
+        path = self.write(backend, state)
+        self.point_latest(path)
+        return path
+
+    def write(self, backend: TrainingBackend, state: LearnerState) -> Path:
+        """Write a checkpoint of ``state`` under its final name (not yet the latest); returns its directory."""
         name = f"step-{state.step:08d}"
         final = self.root / name
         tmp = self.root / f"{name}.tmp"
@@ -85,11 +96,14 @@ class CheckpointManager:
             os.fsync(fh.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        pointer_tmp = self.root / f"{LATEST}.tmp"
-        pointer_tmp.write_text(name)
-        os.replace(pointer_tmp, self.root / LATEST)
-        self._prune(keep_name=name)
         return final
+
+    def point_latest(self, path: Path) -> None:
+        """Make the checkpoint written at ``path`` the latest (atomically), and prune the older ones."""
+        pointer_tmp = self.root / f"{LATEST}.tmp"
+        pointer_tmp.write_text(path.name)
+        os.replace(pointer_tmp, self.root / LATEST)
+        self._prune(keep_name=path.name)
 
     def load(self, backend: TrainingBackend, path: Path | None = None) -> LearnerState | None:
         path = path or self.latest_path()

@@ -14,6 +14,7 @@ from async_rl.metrics.scaling import ScalingConfig
 from async_rl.metrics.sinks import MetricsConfig
 from async_rl.model.config import DTYPE_NAMES, ModelConfig
 from async_rl.run.config import RunConfig
+from async_rl.run.lease import LeaseConfig
 from async_rl.servers.control import ControlPlaneConfig
 from async_rl.tasks.config import TaskConfig
 from async_rl.tasks.user import has_held_out, is_user_task, load_task_class
@@ -154,6 +155,8 @@ class LearnerConfig:
 
     run: RunConfig = field(default_factory=RunConfig)
     """Prefix, server URLs and run directory."""
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    """One learner per run: the run's lease (its time-to-live) and what a second learner does (refuse, or stand by)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model preset or local HF directory (the generators must run the same architecture)."""
     backend: Literal["torch", "megatron"] = "torch"

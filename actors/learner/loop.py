@@ -20,6 +20,11 @@ One step:
    finds a version still going out skips its own (:mod:`actors.learner.publishing`); the last step waits
    for its version to be out; log metrics (wandb, JSONL, console, NATS).
 
+One learner per run: the learner holds the run's lease (:mod:`async_rl.run.lease`, taken by the entry point before
+anything is restored or written), renews it in a task beside the steps, and every write that matters carries its
+fencing token (prompts, acks and fates, dead letters, weight versions, the learner's state, the checkpoint's
+``latest``): once another learner took the run, Redis refuses them and this one stops with :class:`LeaseLost`.
+
 A step the backend fails on does not stop the learner: each group is tried alone (a forward pass)
 and the ones that fail go to the dead letters with the error; when none fails alone, the batch is
 given back with the error recorded and its entries reach the delivery limit if it keeps failing.
@@ -54,8 +59,10 @@ from async_rl.metrics.sinks import MetricsLogger, read_metrics
 from async_rl.model.architecture import STATE_FIELD as ARCH_FIELD
 from async_rl.model.architecture import architecture
 from async_rl.model.architecture import encode as encode_architecture
+from async_rl.process.lifecycle import named_task
 from async_rl.process.repeated import RepeatedLine
 from async_rl.run.end import announce_run_end, clear_run_end
+from async_rl.run.lease import Fence, RunLease, fenced_hset, is_fenced
 from async_rl.servers.control import ControlPlane, LearnerProgress, RunEnded
 from async_rl.servers.reach import redis_client
 from async_rl.tasks.base import Task
@@ -101,11 +108,18 @@ class Learner(Intake):
     _checker: EntryChecker | None
     _pending_rows: list[tuple[int, dict[str, Any]]]
     _unexplained_failures: int
+    _lease: RunLease | None
+    _fence: Fence | None
+    """What every write that matters carries (None: a learner without a lease, e.g. in tests of the loop alone)."""
 
-    def __init__(self, cfg: LearnerConfig, backend: TrainingBackend, *, task: Task | None = None) -> None:
-        """``task``: ``cfg.task`` built already (the entry point builds it to check the config); else built here."""
+    def __init__(self, cfg: LearnerConfig, backend: TrainingBackend, *, task: Task | None = None,
+                 lease: RunLease | None = None) -> None:  # fmt: skip
+        """``task``: ``cfg.task`` built already (the entry point builds it to check the config); else built here.
+        ``lease``: the run's lease, taken already (the entry point takes it before anything is restored)."""
         self.cfg = cfg
         self.backend = backend
+        self._lease = lease
+        self._fence = lease.fence if lease is not None else None
         self.state = LearnerState()
         self.stop_event = asyncio.Event()
         self.reward_history = []
@@ -157,11 +171,12 @@ class Learner(Intake):
         stack.push_async_callback(self._control.close)
         stack.callback(self._signals.close)
         await self._signals.start(self._redis, self._control)
-        self._publishing = Publishing(cfg, self.backend, on_commit=self._on_published)
+        self._publishing = Publishing(cfg, self.backend, on_commit=self._on_published, fence=self._fence)
         await self._publishing.open(stack, self._redis, self._control)
-        self._prompts = PromptQueue(self._redis, names, cfg.prompts)
+        self._prompts = PromptQueue(self._redis, names, cfg.prompts, fence=self._fence)
         self._checker = EntryChecker(await asyncio.to_thread(_model_facts, cfg), num_samples=cfg.sampling.n)
-        self._reader = RolloutReader(self._redis, names, cfg.rollouts, checker=self._checker, check_issued=True)
+        self._reader = RolloutReader(self._redis, names, cfg.rollouts, checker=self._checker, check_issued=True,
+                                     fence=self._fence)  # fmt: skip
         issued = (await self._prompts.audit.counters())["issued"]
         # Prompts issued after the checkpoint are in the stream already: never issue an index twice.
         self.state.prompts_issued = max(self.state.prompts_issued, issued)
@@ -170,7 +185,7 @@ class Learner(Intake):
         stack.callback(self._metrics.close)
         await self._finish_restored_commit()
         await clear_run_end(self._redis, names)  # this learner carries the run on: an earlier end no longer applies
-        await self._redis.hset(names.learner_state, mapping={
+        await fenced_hset(self._redis, self._fence, names.learner_state, {
             "version": self.state.version, "step": self.state.step, "started_at": time.time(),
             "backend": cfg.backend, "model": cfg.model.name,
             ARCH_FIELD: encode_architecture(await asyncio.to_thread(architecture, cfg.model.name)),
@@ -179,16 +194,30 @@ class Learner(Intake):
         self._last_publish_s = await self._publishing.start(self.state)  # restored weights numbered and out
         self._checker.max_version = max(self.state.version, self.state.published_version)
         if cfg.eval.interval_versions:
-            self._evals = Evaluator(cfg.eval, self._task, EvalQueue(self._redis, names, cfg.prompts), self.state,
-                                    cfg.sampling)  # fmt: skip
+            self._evals = Evaluator(cfg.eval, self._task, EvalQueue(self._redis, names, cfg.prompts, fence=self._fence),
+                                    self.state, cfg.sampling)  # fmt: skip
             await self._evals.maybe_issue(self.state.version)
 
     async def run(self) -> LearnerState:
         """Set up, then steps until stopped or done; on every path the resources close in reverse order of opening
-        (an AsyncExitStack), a failed setup included."""
-        async with contextlib.AsyncExitStack() as stack:
-            await self.setup(stack)
-            await self._loop()
+        (an AsyncExitStack), a failed setup included. Beside them, in one TaskGroup, the run's lease is renewed; when
+        another learner took the run the steps stop with :class:`~async_rl.run.lease.LeaseLost`."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                keeper = None
+                if self._lease is not None:
+                    keeper = tg.create_task(named_task("run lease", self._lease.keep()), name="run-lease")
+                try:
+                    async with contextlib.AsyncExitStack() as stack:
+                        await self.setup(stack)
+                        await self._loop()
+                finally:
+                    if keeper is not None:
+                        keeper.cancel()
+        except BaseExceptionGroup as group:  # one failure (the usual case) is raised as itself, for the entry point
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0]  # noqa: B904 (the group is its context)
+            raise
         return self.state
 
     async def _loop(self) -> None:
@@ -209,7 +238,7 @@ class Learner(Intake):
         except Exception as exc:
             # Dying with entries in hand: they are delivered again to the next learner, and the delivery limit
             # sends them to the dead letters with this error if it keeps happening.
-            if self._reader is not None and self._reader.in_flight:
+            if self._reader is not None and self._reader.in_flight and not is_fenced(exc):
                 with contextlib.suppress(Exception):
                     await self._reader.record_error(self._reader.in_flight, error_line(exc))
             raise
@@ -220,7 +249,7 @@ class Learner(Intake):
         cfg, step = self.cfg, self.state.step
         reason = "max_steps" if cfg.max_steps and step >= cfg.max_steps else "target_reward"
         await announce_run_end(self._redis, self._control, cfg.run.names,
-                               RunEnded(step=step, version=self.state.version, reason=reason))  # fmt: skip
+                               RunEnded(step=step, version=self.state.version, reason=reason), fence=self._fence)  # fmt: skip
         log.info("run %s ended (%s) at step %d, version %d", cfg.run.prefix, reason, step, self.state.version)
 
     def _done(self) -> bool:
@@ -302,7 +331,7 @@ class Learner(Intake):
         if step % cfg.checkpoint.every == 0:
             await self._commit()
         assert self._control is not None and self._redis is not None
-        await self._redis.hset(self.cfg.run.names.learner_state, mapping={
+        await fenced_hset(self._redis, self._fence, self.cfg.run.names.learner_state, {
             "version": self.state.version, "step": self.state.step, "published_version": self.state.published_version,
             "versions_skipped": self._publishing.versions_skipped,
             **{k.removeprefix("weights/"): round(v, 6) for k, v in publish_metrics(committed).items()},
@@ -376,7 +405,13 @@ class Learner(Intake):
         self.state.extra["commit"] = [list(u) for u in self._unacked]
         self.state.extra["metrics_rows"] = [[step, row] for step, row in self._pending_rows]
         t0 = time.monotonic()
-        await asyncio.to_thread(self._checkpoints.save, self.backend, self.state)
+        assert self._redis is not None
+        if self._fence is not None:  # files are not in Redis: the token is checked before writing and before `latest`
+            await self._fence.check(self._redis)
+        path = await asyncio.to_thread(self._checkpoints.write, self.backend, self.state)
+        if self._fence is not None:
+            await self._fence.check(self._redis)
+        await asyncio.to_thread(self._checkpoints.point_latest, path)
         self._last_ckpt_s = time.monotonic() - t0  # the step's line says it (one line per step)
         log.debug("checkpoint of step %d written in %.2fs; committing %d groups", self.state.step, self._last_ckpt_s,
                   len(self._unacked))  # fmt: skip

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from typing import TYPE_CHECKING
 
 from async_rl.entry import check_task, config_parser, parse_config, save_resolved_config, setup_logging
+
+if TYPE_CHECKING:
+    from actors.learner.config import LearnerConfig
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
@@ -35,34 +41,64 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
         if servers is not None:
             servers.stop()
         return 1
-    save_resolved_config(cfg, cfg.run.run_dir, "learner")
+    lease = None
+    if _takes_lease(cfg):  # one learner per run: before anything is restored or written (ranks > 0: rank 0's)
+        from async_rl.run.lease import LeaseHeld, RunLease
+
+        assert cfg.run.redis_url, "URLs are resolved above"
+        lease = RunLease(cfg.run.redis_url, cfg.run.names, cfg.lease, run_dir=cfg.run.run_dir)
+        try:
+            lease.take()  # lease.wait: stands by until the run's learner ends
+        except (LeaseHeld, KeyboardInterrupt) as exc:
+            print(f"{prog}: {exc}" if isinstance(exc, LeaseHeld) else f"{prog}: stopped while standing by",
+                  file=sys.stderr)  # fmt: skip
+            if servers is not None:
+                servers.stop()
+            return 1 if isinstance(exc, LeaseHeld) else 130
+        save_resolved_config(cfg, cfg.run.run_dir, "learner")
 
     from actors.learner.build import build_backend
     from actors.learner.loop import Learner
+    from async_rl.run.lease import is_fenced
 
-    backend = build_backend(cfg)
+    backend = None
+    line = None  # the one line of a failure, printed last
     try:
+        with lease.kept_alive() if lease is not None else contextlib.nullcontext():  # renewed while it loads
+            backend = build_backend(cfg)
         if not backend.is_main_rank:
             backend.follow()
             return 0
 
         async def _run() -> None:
-            learner = Learner(cfg, backend, task=task)
+            learner = Learner(cfg, backend, task=task, lease=lease)
             learner.install_signal_handlers()
             await learner.run()
 
-        try:
-            asyncio.run(_run())
-        except Exception as exc:  # a server lost at run time: one line, non-zero, the supervisor restarts us
+        asyncio.run(_run())
+    except Exception as exc:  # a server lost, another learner took the run: one line, non-zero, for the supervisor
+        if lease is not None and is_fenced(exc):
+            line = lease.fenced_line()
+        else:
             line = describe_failure(exc, cfg.run.redis_url, cfg.run.nats_url)
             if line is None and isinstance(exc, StartupError):
                 line = str(exc)
             if line is None:
                 raise
-            print(f"{prog}: {line}; exiting", file=sys.stderr)
-            return 1
+            line += "; exiting"
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
+        if lease is not None:
+            lease.release()  # a standing-by learner takes over at once
         if servers is not None:
             servers.stop()
+    if line is not None:
+        print(f"{prog}: {line}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _takes_lease(cfg: LearnerConfig) -> bool:
+    """Whether this process holds the run's lease: the torch backend's one process, or rank 0 under torchrun."""
+    return cfg.backend == "torch" or os.environ.get("RANK", "0") == "0"

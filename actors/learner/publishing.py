@@ -6,9 +6,12 @@
   transport (``publisher.gpu_host_copies``).
 * **Fallback.** With ``publisher.gpu=auto``, slots that do not fit the GPU (:class:`GpuSlotsOutOfMemory`) are given
   up for good and the versions go through the host transport alone; ``publisher.gpu=on`` raises instead.
-* **Numbers never reused.** At start, versions published past the restored checkpoint (lost steps), or a visible
-  version whose bytes left with the previous process (a transport that keeps none, ``peer://``), move the restored
-  weights to the next number, published at once.
+* **Numbers never reused.** At start, versions published past the restored checkpoint (lost steps), a visible
+  version whose bytes left with the previous process (a transport that keeps none, ``peer://``), or a version the
+  previous learner was still writing (staged, never committed: a learner fenced out of the run may still be putting
+  its buckets) move the restored weights to the next number, published at once.
+* **Fenced.** The publishers carry the learner's fence (:mod:`async_rl.run.lease`): their staging, commits and
+  pruning are refused by Redis once another learner took the run.
 * **The step waits for the snapshot only.** :meth:`Publishing.publish` returns once the weights are copied (``wait``:
   once the version is out); a step that finds a version still going out skips its own
   (:mod:`async_rl.weights.background`).
@@ -27,6 +30,7 @@ import redis.asyncio as aioredis
 from actors.learner.backend import TrainingBackend
 from actors.learner.checkpoint import LearnerState
 from actors.learner.config import LearnerConfig
+from async_rl.run.lease import Fence
 from async_rl.servers.control import ControlPlane
 from async_rl.weights import WeightPublisher
 from async_rl.weights.background import BackgroundPublisher, PublishRecord
@@ -52,8 +56,12 @@ class Publishing:
     _transport: BucketTransport | None
     _gpu_latest: int | None
     """Newest version in the GPU slots' records when they opened (None: none, or no GPU slots)."""
+    _staged: int | None
+    """Newest version an earlier learner staged and never committed (None: none)."""
+    _fence: Fence | None
 
-    def __init__(self, cfg: LearnerConfig, backend: TrainingBackend, on_commit: Callable[[PublishRecord], None]):
+    def __init__(self, cfg: LearnerConfig, backend: TrainingBackend, on_commit: Callable[[PublishRecord], None], *,
+                 fence: Fence | None = None):  # fmt: skip
         self.cfg = cfg
         self.backend = backend
         self.publisher = None
@@ -61,6 +69,8 @@ class Publishing:
         self._on_commit = on_commit
         self._transport = None
         self._gpu_latest = None
+        self._staged = None
+        self._fence = fence
 
     async def open(self, stack: contextlib.AsyncExitStack, redis: aioredis.Redis, control: ControlPlane) -> None:
         """The transport and publishers, each entered in ``stack`` as it opens."""
@@ -68,8 +78,8 @@ class Publishing:
         assert cfg.run.redis_url, "URLs are resolved by the entry point"
         transport = self._transport = make_transport(cfg.transport, cfg.run.redis_url, names)
         stack.push_async_callback(transport.close)
-        self.publisher = WeightPublisher(redis, transport, names, cfg.publisher, control)
-        await self.publisher.clean_staging()
+        self.publisher = WeightPublisher(redis, transport, names, cfg.publisher, control, fence=self._fence)
+        self._staged = max(await self.publisher.clean_staging(), default=None)
         host = BackgroundPublisher(self.publisher, on_commit=self._on_commit)
         stack.push_async_callback(host.aclose)  # before the transport closes: the version going out ends
         self.weights = self.host = host
@@ -79,7 +89,8 @@ class Publishing:
                              f"publishes from {self.backend.publish_device}")  # fmt: skip
         if export is not None:
             gpu = GpuPublisher(redis, names, cfg.publisher, export, control=control,
-                               host=host if cfg.publisher.gpu_host_copies else None, on_commit=self._on_commit)  # fmt: skip
+                               host=host if cfg.publisher.gpu_host_copies else None, on_commit=self._on_commit,
+                               fence=self._fence)  # fmt: skip
             self._gpu_latest = await gpu.latest_version()
             await gpu.clean()  # the buffers of a previous learner's versions died with it
             stack.push_async_callback(gpu.aclose)
@@ -110,6 +121,12 @@ class Publishing:
             log.info("weights v%d were served by the previous learner (transport %s keeps no bytes): the restored "
                      "step %d is published as v%d", latest, transport.name, state.step, latest + 1)  # fmt: skip
             state.version = latest + 1
+        if self._staged is not None and self._staged >= state.version:
+            # A version the previous learner was still writing: if that learner lives on (fenced out of the run), its
+            # buckets may still arrive under that number, so it is never committed by anyone.
+            log.info("weights v%d were being written when the previous learner left; the restored step %d is "
+                     "published as v%d", self._staged, state.step, self._staged + 1)  # fmt: skip
+            state.version = self._staged + 1
         if latest is None or latest < state.version:
             return await self.publish(state.version, wait=True)
         state.published_version = latest

@@ -6,6 +6,8 @@ keeps the same message under :attr:`~async_rl.run.names.Names.run_ended` in Redi
 hints: a generator that was reconnecting, or that starts after the end, reads the record). A learner
 that starts or resumes the run deletes the record first, so only the newest learner's end counts.
 A learner stopped by a signal has not finished the run (a successor may resume it) and records nothing.
+The record is written under the learner's fence (:mod:`async_rl.run.lease`): a learner another one took the run from
+ends nothing.
 """
 
 from __future__ import annotations
@@ -14,15 +16,22 @@ import logging
 
 import redis.asyncio as aioredis
 
+from async_rl.run.lease import Fence, fenced
 from async_rl.run.names import Names
 from async_rl.servers.control import ControlPlane, MessageError, RunEnded, decode, encode
 
 log = logging.getLogger(__name__)
 
 
-async def announce_run_end(redis: aioredis.Redis, control: ControlPlane | None, names: Names, msg: RunEnded) -> None:
-    """Record the end in Redis (the copy of record), then tell the generators on NATS and flush."""
-    await redis.set(names.run_ended, encode(msg))
+# KEYS: the record; ARGV: the encoded end (a SET that a fence can guard).
+_SET_LUA = "redis.call('SET', KEYS[1], ARGV[1]) return 1"
+
+
+async def announce_run_end(redis: aioredis.Redis, control: ControlPlane | None, names: Names, msg: RunEnded, *,
+                           fence: Fence | None = None) -> None:  # fmt: skip
+    """Record the end in Redis (the copy of record; refused unless ``fence``'s token is the run's current one), then
+    tell the generators on NATS and flush."""
+    await redis.eval(*fenced(fence, _SET_LUA, [names.run_ended], [encode(msg)]))
     if control is not None:
         await control.publish(names.control_subject, msg)
         await control.flush()

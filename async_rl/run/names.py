@@ -184,6 +184,19 @@ class Names:
         return self.key("learner", "state")
 
     @property
+    def learner_lease(self) -> str:
+        """Hash of the run's leadership (token, host, pid, since, run_dir) with a time-to-live that its learner renews:
+        while it exists no other learner starts on the run (:mod:`async_rl.run.lease`)."""
+        return self.key("learner", "lease")
+
+    @property
+    def learner_fence(self) -> str:
+        """Hash of the run's fencing token: ``n``, a counter every learner that takes the lease increments, and
+        ``current``, the token of the lease's holder (``<n>:<nonce>``); every learner write is refused by Redis unless
+        it carries ``current`` (:mod:`async_rl.run.lease`). Never expires."""
+        return self.key("learner", "fence")
+
+    @property
     def run_ended(self) -> str:
         """String key holding the encoded :class:`~async_rl.servers.control.RunEnded` of a finished run (absent while it
         runs; a learner that starts or resumes the run deletes it)."""

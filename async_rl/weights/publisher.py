@@ -16,7 +16,10 @@ Protocol (keys from :class:`~async_rl.run.names.Names`):
    no reader holds a live lease on them (see :mod:`.reader`).
 
 :meth:`WeightPublisher.publish` does all of it for a dict of whole tensors, as a full version, on one rank.
-One publisher writes a run's weights at a time.
+One publisher writes a run's weights at a time: the learner's carries its :class:`~async_rl.run.lease.Fence`, and the
+staging record, the commit and the pruning of ``versions`` are refused by Redis unless its token is the run's current
+one (a learner another one took the run from makes nothing visible; buckets it still puts belong to a version number
+that is never committed, :mod:`actors.learner.publishing` numbers past it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 import torch
 
+from async_rl.run.lease import Fence, fenced
 from async_rl.run.names import Names
 from async_rl.servers.control import ControlPlane, WeightsAnnounced
 from async_rl.weights import delta
@@ -65,6 +69,12 @@ return 1
 _STAGE_LUA = """
 local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
 if tonumber(ARGV[2]) > cur then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 1
+"""
+# KEYS: retiring, versions; ARGV: version, bucket count. Hides a pruned version (its data waits for its readers).
+_HIDE_LUA = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[1])
 return 1
 """
 # KEYS: manifest, readers. Deletes the manifest (no new lease can be taken) only when no lease is live; 1 when it did.
@@ -142,6 +152,8 @@ class WeightPublisher:
     last_stats: PublishStats | None
     newest_full: int
     """The newest full version this publisher committed (-1: none yet): pruning keeps it and those after it."""
+    fence: Fence | None
+    """The learner's fence: staging, commits and pruning are refused unless its token is the run's current one."""
     _cleaned: bool
 
     def __init__(
@@ -151,8 +163,11 @@ class WeightPublisher:
         names: Names,
         cfg: PublisherConfig | None = None,
         control: ControlPlane | None = None,
+        *,
+        fence: Fence | None = None,
     ) -> None:
         self.redis = redis
+        self.fence = fence
         self.transport = transport
         self.names = names
         self.cfg = cfg or PublisherConfig()
@@ -250,7 +265,8 @@ class WeightPublisher:
         places, sizes = plan_sizes([x.data.nbytes for x in payloads], self.cfg.bucket_bytes)
         for x, (bucket, offset) in zip(payloads, places, strict=True):
             x.entry.bucket, x.entry.offset = first_bucket + bucket, offset
-        await self.redis.eval(_STAGE_LUA, 1, self.names.weights_staging, str(version), str(first_bucket + len(sizes)))
+        await self.redis.eval(*fenced(self.fence, _STAGE_LUA, [self.names.weights_staging],
+                                      [str(version), str(first_bucket + len(sizes))]))  # fmt: skip
         by_bucket: list[list[_Payload]] = [[] for _ in sizes]
         for x in payloads:
             if x.data.nbytes:
@@ -309,7 +325,8 @@ class WeightPublisher:
         if not tensors:
             raise ValueError("weights: nothing to publish (no tensors)")
         await self._check_version(version)
-        await self.redis.eval(_STAGE_LUA, 1, self.names.weights_staging, str(version), str(len(buckets)))
+        await self.redis.eval(*fenced(self.fence, _STAGE_LUA, [self.names.weights_staging],
+                                      [str(version), str(len(buckets))]))  # fmt: skip
         t0 = time.perf_counter()
         for index, data in enumerate(buckets):
             await self.transport.put(version, index, data)
@@ -347,10 +364,10 @@ class WeightPublisher:
         except ValueError as exc:
             raise ValueError(f"weights version {version}: the ranks' pieces do not make a valid version: {exc}") from None
         n = self.names
-        await self.redis.eval(
-            _COMMIT_LUA, 4, n.weights_manifest(version), n.weights_versions, n.weights_latest, n.weights_staging,
-            manifest.encode(self.hmac_key), str(version),
-        )  # fmt: skip
+        await self.redis.eval(*fenced(
+            self.fence, _COMMIT_LUA, [n.weights_manifest(version), n.weights_versions, n.weights_latest,
+                                      n.weights_staging], [manifest.encode(self.hmac_key), str(version)],
+        ))  # fmt: skip
         if not delta_version:
             self.newest_full = version
         total_s = time.perf_counter() - t0
@@ -389,10 +406,8 @@ class WeightPublisher:
         for version in excess:
             raw = await self.redis.get(n.weights_manifest(version))
             count = Manifest.decode(raw).num_buckets if raw is not None else 0
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(n.weights_retiring, str(version), str(count))
-                pipe.zrem(n.weights_versions, version)
-                await pipe.execute()
+            await self.redis.eval(*fenced(self.fence, _HIDE_LUA, [n.weights_retiring, n.weights_versions],
+                                          [str(version), str(count)]))  # fmt: skip
         deleted = []
         for raw_version, raw_count in (await self.redis.hgetall(n.weights_retiring)).items():
             version = int(raw_version)

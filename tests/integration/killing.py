@@ -1,4 +1,5 @@
-"""Killing a publishing process in the middle of a version: the shared step of the kill-mid-publish tests."""
+"""Shared steps of the chaos tests: killing a publishing process in the middle of a version, and a generator (a
+thread) that answers every issued prompt at once, so that all the time goes to the learner processes under test."""
 
 from __future__ import annotations
 
@@ -6,12 +7,20 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import time
 
+import redis
 import redis.asyncio as aioredis
 
 from async_rl.run.names import Names
 from async_rl.servers.embedded import ServerSet
+from async_rl.wire import encode_group
+from buffer.entry_checks import ModelFacts
+from tests.integration.poison import ack_prompt, fields_of, take_prompts, valid_record
+
+TINY_MOE = ModelFacts(vocab_size=22, max_seq_len=256, num_moe_layers=2, top_k=2, num_experts=4)
+"""The facts of the ``tiny-moe`` preset, which the learners of these tests train."""
 
 
 async def kill_mid_version(script: str, servers: ServerSet, names: Names, redis_client: aioredis.Redis,
@@ -36,3 +45,23 @@ async def kill_mid_version(script: str, servers: ServerSet, names: Names, redis_
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def answer_prompts(url: str, names: Names, stop: threading.Event, errors: list[BaseException], batch: int) -> None:
+    """A thread's target: until ``stop``, answer each issued prompt at once with a valid tiny-moe group of 2 samples
+    sampled (it says) with the newest published version; errors go to ``errors`` for the test to report."""
+    r = redis.Redis.from_url(url)
+    seed = 0
+    try:
+        while not stop.is_set():
+            for eid, spec in take_prompts(r, names, batch, block_ms=100):
+                version = int(r.get(names.weights_latest) or 0)
+                seed += 1
+                rec = valid_record(spec.prompt_id, spec.prompt_ids, TINY_MOE, version=version, num_samples=2,
+                                   seed=seed)  # fmt: skip
+                r.xadd(names.rollouts_stream, fields_of(encode_group(rec), spec.prompt_id))
+                ack_prompt(r, names, eid)
+    except BaseException as exc:  # reported by the test
+        errors.append(exc)
+    finally:
+        r.close()

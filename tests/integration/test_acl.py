@@ -15,6 +15,7 @@ import torch
 from redis.exceptions import NoPermissionError, ResponseError
 
 from actors.commands.acl import main as acl_main
+from async_rl.run.lease import LeaseConfig, RunLease
 from async_rl.run.names import Names
 from async_rl.servers.embedded import EmbeddedServer, _spawn, free_port, valkey_binary
 from async_rl.weights import WeightPublisher, WeightReader
@@ -53,21 +54,25 @@ def locked(tmp_path: Path) -> Iterator[tuple[Names, dict[str, str]]]:
     server.stop()
 
 
-async def test_each_role_runs_its_code_paths_and_nothing_more(locked: tuple[Names, dict[str, str]]) -> None:
+async def test_each_role_runs_its_code_paths_and_nothing_more(locked: tuple[Names, dict[str, str]],
+                                                              tmp_path: Path) -> None:  # fmt: skip
     names, urls = locked
     learner = aioredis.Redis.from_url(urls["learner"])
     gen = aioredis.Redis.from_url(urls["generator"])
     reader_client = aioredis.Redis.from_url(urls["reader"])
+    lease = RunLease(urls["learner"], names, LeaseConfig(), run_dir=tmp_path)
     try:
-        # Learner: issues prompts, publishes weights.
+        # Learner: takes the run's lease, issues prompts and publishes weights under its fence.
+        lease.take()
+        fence = lease.fence
         specs = [PromptSpec(f"p{i}", np.array([1, 2, 3], dtype=np.int32)) for i in range(4)]
-        await PromptQueue(learner, names).issue(specs, version=0)
+        await PromptQueue(learner, names, fence=fence).issue(specs, version=0)
         # A poison prompt, issued by hand (undecodable spec): the generator's dead letter gives it its fate.
         await learner.hset(names.audit_open, "p-bad", "0-0|0|0")
         await learner.hincrby(names.audit_counters, "issued", 1)
         await learner.xadd(names.prompts_stream, {b"spec": b"\x93bad", b"pid": b"p-bad"})
         weights = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
-        await WeightPublisher(learner, RedisTransport(urls["learner"], names), names).publish(weights, 0)
+        await WeightPublisher(learner, RedisTransport(urls["learner"], names), names, fence=fence).publish(weights, 0)
         # Generator: reads (and sets the poison prompt aside), appends inline and by key, acks, touches, releases,
         # reads weights under a lease.
         q = PromptQueue(gen, names, PromptQueueConfig(reclaim_idle_ms=1))
@@ -106,7 +111,7 @@ async def test_each_role_runs_its_code_paths_and_nothing_more(locked: tuple[Name
             sync_gen.close()
         # Learner: reads, checks, commits.
         r = RolloutReader(learner, names, checker=EntryChecker(FACTS, num_samples=2, max_version=0),
-                          check_issued=True)  # fmt: skip
+                          check_issued=True, fence=fence)  # fmt: skip
         entries = await r.read("learner", count=10)
         assert len(entries) == 3
         await r.ack(entries, fates=[(e.record.prompt_id, "step 1") for e in entries])
@@ -117,6 +122,7 @@ async def test_each_role_runs_its_code_paths_and_nothing_more(locked: tuple[Name
         assert (await buffer_stats(reader_client, names))["rollouts"]["consumed"] == 3
         with pytest.raises(NoPermissionError):
             await reader_client.xadd(names.rollouts_stream, {b"x": b"1"})
+        assert lease.release()
     finally:
         for c in (learner, gen, reader_client):
             await c.aclose()

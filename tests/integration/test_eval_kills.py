@@ -22,8 +22,9 @@ from async_rl.servers.embedded import ServerSet
 from buffer.audit import audit_run
 from buffer.evals import ROUND_KEY, EvalQueue, EvalResult
 from buffer.prompts import PromptQueueConfig
+from tests.integration.killing import answer_prompts
 from tests.integration.procs import Procs
-from tests.integration.test_learner_kills import BATCH, _generate
+from tests.integration.test_learner_kills import BATCH
 
 pytestmark = pytest.mark.slow
 
@@ -67,8 +68,9 @@ def test_evaluation_rounds_survive_learner_kills_once_each(procs: Procs, servers
         return int(r.hget(names.learner_state, "step") or 0)
 
     stop, errors = threading.Event(), []
-    threads = [threading.Thread(target=fn, args=(servers.redis_url, names, stop, errors), name=fn.__name__)
-               for fn in (_generate, _evaluate)]  # fmt: skip
+    threads = [threading.Thread(target=answer_prompts, args=(servers.redis_url, names, stop, errors, BATCH),
+                                name="fake-generator"),
+               threading.Thread(target=_evaluate, args=(servers.redis_url, names, stop, errors), name="evaluator")]  # fmt: skip
     for t in threads:
         t.start()
     rng = random.Random(7)

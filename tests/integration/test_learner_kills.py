@@ -19,37 +19,17 @@ import redis
 
 from async_rl.run.names import Names
 from async_rl.servers.embedded import ServerSet
-from async_rl.wire import encode_group
-from buffer.entry_checks import ModelFacts
-from tests.integration.poison import ack_prompt, fields_of, take_prompts, valid_record
+from tests.integration.killing import answer_prompts
 from tests.integration.procs import TRANSPORT, Procs
 
 pytestmark = pytest.mark.slow
 
-FACTS = ModelFacts(vocab_size=22, max_seq_len=256, num_moe_layers=2, top_k=2, num_experts=4)  # tiny-moe
 BATCH = 8
 NUM_KILLS = 8
 MAX_STEPS = 60
 """Room for 8 kills: each learner takes at least two steps before its kill, and with publishing in the background a
 step of this tiny model can take 40 ms, so a learner may get through several more during its random delay (at 30,
 one learner finished the run and the next one had no step left to take)."""
-
-
-def _generate(url: str, names: Names, stop: threading.Event, errors: list[BaseException]) -> None:
-    r = redis.Redis.from_url(url)
-    seed = 0
-    try:
-        while not stop.is_set():
-            for eid, spec in take_prompts(r, names, BATCH, block_ms=100):
-                version = int(r.get(names.weights_latest) or 0)
-                seed += 1
-                rec = valid_record(spec.prompt_id, spec.prompt_ids, FACTS, version=version, num_samples=2, seed=seed)
-                r.xadd(names.rollouts_stream, fields_of(encode_group(rec), spec.prompt_id))
-                ack_prompt(r, names, eid)
-    except BaseException as exc:  # reported by the test
-        errors.append(exc)
-    finally:
-        r.close()
 
 
 def test_learner_killed_at_random_points_loses_and_repeats_nothing(procs: Procs, servers: ServerSet,
@@ -63,7 +43,8 @@ def test_learner_killed_at_random_points_loses_and_repeats_nothing(procs: Procs,
         return int(r.hget(names.learner_state, "step") or 0)
 
     stop, errors = threading.Event(), []
-    gen = threading.Thread(target=_generate, args=(servers.redis_url, names, stop, errors), name="fake-generator")
+    gen = threading.Thread(target=answer_prompts, args=(servers.redis_url, names, stop, errors, BATCH),
+                           name="fake-generator")  # fmt: skip
     gen.start()
     rng = random.Random(13)
     kills = []

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import numpy as np
 
 from actors.commands.status import main as status_main
+from async_rl.run.lease import LeaseConfig, RunLease
 from async_rl.run.names import Names
 from async_rl.servers.control import ControlPlane, Heartbeat
 from async_rl.servers.embedded import ServerSet
@@ -18,6 +20,8 @@ from buffer.prompts import PromptQueue
 async def test_status_reports_generators_streams_and_learner(servers: ServerSet, names: Names, redis_client, capsys):
     await PromptQueue(redis_client, names).issue([PromptSpec("p0", np.arange(3, dtype=np.int32))], version=0)
     await redis_client.hset(names.learner_state, mapping={"version": 7, "step": 7})
+    lease = RunLease(servers.redis_url, names, LeaseConfig(), run_dir="runs/x")
+    await asyncio.to_thread(lease.take)
     plane = await ControlPlane(servers.nats_url, name="test").connect()
 
     async def beat() -> None:
@@ -34,6 +38,7 @@ async def test_status_reports_generators_streams_and_learner(servers: ServerSet,
     assert code == 0
     snap = json.loads(capsys.readouterr().out)
     assert snap["learner"]["version"] == "7"
+    assert snap["lease"]["pid"] == os.getpid() and snap["lease"]["token"] == "1" and snap["lease"]["expires_in_s"] > 0
     assert snap["buffer"]["prompts"]["in_flight"] == 1
     [gen] = snap["generators"]
     assert gen["id"] == "gen-a" and gen["version"] == 6 and gen["alive"]

@@ -6,7 +6,8 @@ copy and its GPU checksums, and commits the version:
 
 1. its manifest (the tensors, the buckets' ``wsum64`` checksums, the buckets' CUDA IPC handles and the host they
    can be mapped on; HMAC-signed like every manifest) is written to ``weights:gpu:<v>:manifest`` and
-   ``weights:gpu:latest`` moves forward, in one Lua script;
+   ``weights:gpu:latest`` moves forward, in one Lua script (refused by Redis unless the learner's fencing token is
+   the run's current one, :mod:`async_rl.run.lease`);
 2. a :class:`~async_rl.servers.control.WeightsAnnounced` with transport ``cuda`` goes out on NATS.
 
 A generator on the same host (:mod:`.gpu_reader`) leases the version, copies its buckets into its own GPU,
@@ -40,6 +41,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 import torch
 
+from async_rl.run.lease import Fence, fenced
 from async_rl.run.names import Names
 from async_rl.servers.control import ControlPlane, WeightsAnnounced
 from async_rl.weights.background import BackgroundPublisher, Encode, PublishRecord, Source
@@ -112,13 +114,16 @@ class GpuPublisher:
     _host_task: asyncio.Task | None
     _error: BaseException | None
     _hmac_key: bytes | None
+    _fence: Fence | None
     _on_commit: Callable[[PublishRecord], Awaitable[None] | None] | None
 
     def __init__(self, redis: aioredis.Redis, names: Names, cfg: PublisherConfig, export: GpuExport, *,
                  control: ControlPlane | None = None, host: BackgroundPublisher | None = None,
-                 on_commit: Callable[[PublishRecord], Awaitable[None] | None] | None = None) -> None:  # fmt: skip
+                 on_commit: Callable[[PublishRecord], Awaitable[None] | None] | None = None,
+                 fence: Fence | None = None) -> None:  # fmt: skip
         """``export``: where the versions are kept (:func:`local_slots` of this process, or a multi-rank backend's
-        slots on every rank)."""
+        slots on every rank); ``fence``: the learner's (commits refused unless its token is the run's current one)."""
+        self._fence = fence
         self.redis, self.names, self.cfg, self.control, self.host = redis, names, cfg, control, host
         self.slots = export
         self.encoder = None
@@ -235,8 +240,9 @@ class GpuPublisher:
                             checksum=GPU_CHECKSUM, full_version=fill.version, taken_at=fill.taken_at, ipc=placement)  # fmt: skip
         manifest.validate()
         n = self.names
-        await self.redis.eval(_COMMIT_LUA, 2, n.weights_gpu_manifest(fill.version), n.weights_gpu_latest,
-                              manifest.encode(self._hmac_key), str(fill.version))  # fmt: skip
+        await self.redis.eval(*fenced(self._fence, _COMMIT_LUA, [n.weights_gpu_manifest(fill.version),
+                                                                 n.weights_gpu_latest],
+                                      [manifest.encode(self._hmac_key), str(fill.version)]))  # fmt: skip
         self.slot_version[fill.slot] = fill.version
         self._latest_slot = fill.slot
         self.published_version = max(self.published_version, fill.version)
