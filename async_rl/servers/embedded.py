@@ -147,9 +147,10 @@ def _spawn(kind: str, argv: list[str], port: int, workdir: Path, host: str = "12
                            "a free one)")  # fmt: skip
     log_path = workdir / f"{kind}.log"
     with log_path.open("wb") as fh:
-        proc = subprocess.Popen(
-            argv, cwd=workdir, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig
-        )
+        # A process group of its own: a Ctrl-C in the terminal stops the command that owns it, which stops the server
+        # last, after the processes that use it (else NATS vanished under a learner still saying goodbye).
+        proc = subprocess.Popen(argv, cwd=workdir, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_set_pdeathsig, process_group=0)  # fmt: skip
     _wait_listening(proc, port, log_path, kind, host)
     return proc
 
