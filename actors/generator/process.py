@@ -155,7 +155,9 @@ class Generator:
             self._on_run_end(ended)
             if self.stop_event.is_set():
                 return False
-        await check_join(cfg, self._redis, self._control)  # the run exists, the model matches: before any weight
+        # The run exists, the model and the task match: before any weight. A generator that came before its learner
+        # checks once the learner's first weights are out (its state is written before them).
+        checked = await check_join(cfg, self._redis, self._control)
         self._engine = await asyncio.to_thread(build_engine, cfg)
         stack.push_async_callback(self._engine.close)
         transport = make_transport(cfg.transport, cfg.run.redis_url, names)
@@ -170,6 +172,8 @@ class Generator:
         log.info("generator %s: engine %s ready; loading the newest weight version", cfg.generator_id, cfg.engine)
         if not await self._sync.start():  # the newest complete version is applied before the first token
             return False
+        if not checked:
+            await check_join(cfg, self._redis, self._control)
         self.state = "running"
         return True
 

@@ -1,5 +1,5 @@
-"""A user's mistakes end in seconds with one line naming cause and fix (issue 26), against real processes: a
-generator with another model than the run's, one on the wrong Redis database or prefix, ``status`` and ``audit`` on a
+"""A user's mistakes end in seconds with one line naming cause and fix (issues 26, 37), against real processes: a
+generator with another model or task than the run's, one on the wrong Redis database or prefix, ``status`` and ``audit`` on a
 prefix with no run, and the control plane lost for good under a running learner and generator (both exit 1)."""
 
 from __future__ import annotations
@@ -58,6 +58,16 @@ def _run_mistakes(procs: Procs, servers: ServerSet, names: Names, nats, capsys) 
     procs.wait_for("the learner's line", lambda: "gen-moe (" in procs.log("learner")
                    and "refused to join: model 'small-moe'" in procs.log("learner"), 30)  # fmt: skip
     say(f"model mismatch: exit 1 in {took:.1f} s: {last}")
+
+    # Another task (issue 37): it would score every sample against the wrong answer; refused the same way.
+    procs.generator("gen-task", "task.name=reverse")
+    rc, last, took = _wait_exit(procs, "gen-task")
+    assert rc == 1, procs.tails()
+    assert f"task 'reverse' does not match run {names.prefix!r}, whose learner trains on 'copy'" in last, last
+    assert "task.name 'reverse' here, 'copy' in the run" in last and "weights version" not in procs.log("gen-task")
+    procs.wait_for("the learner's line on the task", lambda: "gen-task (" in procs.log("learner")
+                   and "refused to join: task 'reverse'" in procs.log("learner"), 30)  # fmt: skip
+    say(f"task mismatch: exit 1 in {took:.1f} s: {last}")
 
     # The right prefix in the wrong database: one line naming the database that holds it.
     procs.generator("gen-db", f"run.redis_url={_with_db(servers.redis_url, 1)}")
