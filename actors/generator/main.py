@@ -6,7 +6,7 @@ import logging
 import signal
 import sys
 
-from async_rl.entry import check_task, config_parser, parse_config, setup_logging
+from async_rl.entry import check_device, check_task, config_parser, parse_config, setup_logging
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int:
@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
 
     cfg = parse_config(GeneratorConfig, args, prog)
     task = check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
+    if cfg.engine == "torch":
+        check_device(cfg.torch.device, "torch.device", prog)
     if not cfg.run.redis_url or not cfg.run.nats_url:
         print(f"{prog}: config error: run.redis_url and run.nats_url (or ASYNC_RL_REDIS_URL / ASYNC_RL_NATS_URL) "
               "are required: a generator joins an existing run", file=sys.stderr)  # fmt: skip

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from async_rl.entry import check_task, config_parser, parse_config, save_resolved_config, setup_logging
+from async_rl.entry import (
+    check_device,
+    check_run_dir,
+    check_task,
+    config_parser,
+    parse_config,
+    save_resolved_config,
+    setup_logging,
+)
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
@@ -14,6 +22,9 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
 
     cfg = parse_config(LearnerConfig, args, prog)
     task = check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
+    if cfg.backend == "torch":
+        check_device(cfg.torch.device, "torch.device", prog)
+    check_run_dir(cfg.run.run_dir, prog)
     setup_logging(args.log_level, "learner")
     import asyncio
 
