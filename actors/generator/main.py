@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
     import asyncio
 
     from actors.generator.process import Generator
+    from actors.generator.scoring import ScoringFailed
     from async_rl.process.lifecycle import StartupError, first_task_failure
 
     async def _run() -> None:
@@ -49,6 +50,11 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
         if line is None and isinstance(exc, BaseExceptionGroup):
             failed = first_task_failure(exc)
             line = None if failed is None else str(failed)
+        if line is None:  # every sample of too many groups in a row failed to score: its own line names task.reward
+            scoring = exc.subgroup(ScoringFailed) if isinstance(exc, BaseExceptionGroup) else exc
+            while isinstance(scoring, BaseExceptionGroup):
+                scoring = scoring.exceptions[0]
+            line = str(scoring) if isinstance(scoring, ScoringFailed) else None
         if line is None:
             raise
         logging.getLogger("actors.generator").debug("exiting on", exc_info=exc)
