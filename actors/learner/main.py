@@ -46,6 +46,15 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
         if servers is not None:
             servers.stop()
         return 1
+    if cfg.checkpoint.resume:  # the run's Redis state against the checkpoint: lost state is said, before the model
+        from actors.learner.run_state import check_run_state
+
+        lost = check_run_state(cfg, owned_servers=servers is not None)
+        if lost is not None:
+            print(f"{prog}: {lost}", file=sys.stderr)
+            if servers is not None:
+                servers.stop()
+            return 1
     save_resolved_config(cfg, cfg.run.run_dir, "learner")
 
     from actors.learner.build import build_backend

@@ -123,13 +123,13 @@ def _run_mistakes(procs: Procs, servers: ServerSet, names: Names, nats, capsys) 
     assert procs.log("gen-ok").count("heartbeat failed") <= 2, procs.log("gen-ok")
 
 
-def test_serve_names_a_port_in_use(servers: ServerSet) -> None:
+def test_serve_names_a_port_in_use(servers: ServerSet, tmp_path: Path) -> None:
     from urllib.parse import urlsplit
 
     port = urlsplit(servers.redis_url).port
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "actors.commands.cli", "serve", "--no-auth", "--redis-port", str(port),
-                          "--nats-port", "0"], capture_output=True, text=True, timeout=60)  # fmt: skip
+                          "--nats-port", "0"], capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
     assert out.returncode == 1, out
     assert out.stderr.strip() == (f"async-rl serve: port {port} in use on 127.0.0.1: cannot start valkey there "
                                   "(--redis-port picks another; 0 takes a free one)"), out.stderr  # fmt: skip

@@ -33,7 +33,8 @@ def test_serve_requires_its_password_and_cleans_up(tmp_path: Path) -> None:
     env_file, password_file = tmp_path / "servers.env", tmp_path / "secrets" / "password"
     proc = subprocess.Popen([sys.executable, "-m", "actors.commands.cli", "serve", "--host", "127.0.0.1",
                              "--redis-port", "0", "--nats-port", "0", "--password-file", str(password_file),
-                             "--env-file", str(env_file)], stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             "--env-file", str(env_file)], stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not env_file.exists():
