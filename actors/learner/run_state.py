@@ -42,8 +42,10 @@ def _missing(redis: Any, cfg: LearnerConfig, meta: dict[str, Any]) -> str | None
     """What of the run's state is missing or older than the checkpoint ``meta`` says, in words; None when nothing."""
     names = cfg.run.names
     has_state = bool(redis.exists(names.learner_state))
-    raw_latest = redis.get(names.weights_latest)
-    latest = int(raw_latest) if raw_latest is not None else None
+    # The newest version published by either path: the host transport's, or the GPU slots' (publisher.gpu).
+    published_there = [int(v) for v in (redis.get(names.weights_latest), redis.get(names.weights_gpu_latest))
+                       if v is not None]  # fmt: skip
+    latest = max(published_there) if published_there else None
     counters = redis.hgetall(names.audit_counters)
     step, published, issued = int(meta["step"]), int(meta["published_version"]), int(meta["prompts_issued"])
     if not has_state and latest is None and not counters and (step > 0 or published >= 0):

@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import redis
 
 from actors.commands.audit import main as audit_main
@@ -217,7 +216,6 @@ def test_state_older_than_the_checkpoint_is_named(servers: ServerSet, names: Nam
     r.hset(names.audit_counters, "issued", 80)
     r.set(names.weights_latest, 11)  # a learner killed after a publish the checkpoint does not cover: not a loss
     assert _missing(r, cfg, meta) is None
-    pytest.importorskip("redis")
 
 
 def test_a_running_loop_rides_over_valkey_killed_under_serve(tmp_path: Path, names: Names) -> None:
@@ -246,3 +244,15 @@ def test_a_running_loop_rides_over_valkey_killed_under_serve(tmp_path: Path, nam
         serve.wait(30)
     err = serve.stderr.read() if serve.stderr else ""
     assert "was killed by SIGKILL; restarting it on port" in err and "Valkey is back at" in err, err
+
+
+def test_versions_published_to_gpu_slots_count(servers: ServerSet, names: Names) -> None:
+    from actors.learner.config import LearnerConfig
+    from async_rl.config.configurable import load_config
+
+    cfg = load_config(LearnerConfig, None, [f"run.prefix={names.prefix}", f"run.redis_url={servers.redis_url}"])
+    r = redis.Redis.from_url(servers.redis_url)
+    r.hset(names.learner_state, "step", 10)
+    r.hset(names.audit_counters, "issued", 80)
+    r.set(names.weights_gpu_latest, 10)  # a learner that publishes to GPU slots only (publisher.gpu_host_copies off)
+    assert _missing(r, cfg, {"step": 10, "version": 10, "published_version": 10, "prompts_issued": 80}) is None
