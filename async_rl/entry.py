@@ -117,7 +117,7 @@ def check_device(device: str, key: str, prog: str) -> None:
     if index < count:
         return
     if count:
-        why = f"torch sees {count} GPU{'s' if count > 1 else ''} here (cuda:0 to cuda:{count - 1})"
+        why = f"torch sees {count} GPU{'s' if count > 1 else ''} here ({'cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}'})"
     elif torch.version.cuda is None:
         why = f"this torch ({torch.__version__}) is built without CUDA"
     else:
