@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -100,6 +101,46 @@ def check_task(task_cfg: Any, prog: str) -> Any:
         return build_task(task_cfg)
     except ValueError as exc:
         print(f"{prog}: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def check_device(device: str, key: str, prog: str) -> None:
+    """A CUDA ``device`` on a host where torch sees no such GPU exits 2 with one line, at config time: before any
+    server is contacted or a model loaded (else: ``AssertionError: Torch not compiled with CUDA enabled``, after
+    joining the run). Only for devices torch itself will use in this process (not vLLM's, not Megatron's)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index < count:
+        return
+    if count:
+        why = f"torch sees {count} GPU{'s' if count > 1 else ''} here ({'cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}'})"
+    elif torch.version.cuda is None:
+        why = f"this torch ({torch.__version__}) is built without CUDA"
+    else:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = "torch sees no GPU here" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+    print(f"{prog}: config error: {key}={device}, but {why} (set {key}=cpu, or run on a host with that GPU)",
+          file=sys.stderr)  # fmt: skip
+    raise SystemExit(2)
+
+
+def check_run_dir(run_dir: Path, prog: str, key: str = "run.run_dir") -> None:
+    """Create ``run_dir`` now, before any server is contacted: one that cannot be (a file in the way, no permission)
+    exits 2 with one line naming the reason, instead of a traceback after the run's Redis state was touched."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(run_dir, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(run_dir))
+    except OSError as exc:
+        blocker = next((p for p in [run_dir, *run_dir.parents] if p.exists() and not p.is_dir()), None)
+        why = (f"{str(blocker)!r} is a file, not a directory" if blocker is not None
+               else f"{exc.strerror or exc}: {exc.filename or run_dir}")  # fmt: skip
+        print(f"{prog}: config error: {key} {str(run_dir)!r} cannot be created: {why} (set {key} to a directory "
+              "this user can write)", file=sys.stderr)  # fmt: skip
         raise SystemExit(2) from None
 
 

@@ -257,6 +257,22 @@ class PromptQueue:
             self._in_flight.pop(i, None)
         return int(acked)
 
+    async def dead_letter(self, entry: PromptEntry, reason: str, error: str = "", generator: str = "") -> str:
+        """A prompt its generator could not turn into a group (the task's reward or environment raised on it): to the
+        dead letters with ``reason`` and ``error`` (the traceback's last line), acked and deleted, its fate
+        ``dead_lettered``, in one transaction; not retried (the same prompt fails again on any generator). Returns
+        the dead letter's id."""
+        spec = entry.spec
+        fields = {_SPEC: encode_prompt(spec), _PROMPT_ID: spec.prompt_id.encode(), b"gen": generator.encode(),
+                  b"gid": spec.prompt_id.encode()}  # fmt: skip
+        letter = await self.dead_letters.quarantine(
+            source_stream=self.names.prompts_stream, group=self.names.prompts_group, source_id=entry.entry_id,
+            fields=fields, payload_field=_SPEC, reason=reason, counters_key=self.names.prompt_counters, error=error,
+            prompt_id=spec.prompt_id,
+        )  # fmt: skip
+        self._in_flight.pop(entry.entry_id, None)
+        return letter
+
     def forget(self, entries: Sequence[PromptEntry | str]) -> None:
         """Entries acked by a caller's own transaction (:meth:`buffer.evals.EvalQueue.finish`): no longer held."""
         for e in entries:

@@ -2,7 +2,9 @@
 
 Prints the totals (issued = trained + dropped stale + dead-lettered + in flight), whether the kept
 fates match the counters, and every open prompt found in neither stream; exits 1 when anything is
-unaccounted, 0 otherwise (so it can gate a CI job or a cron check).
+unaccounted, 0 otherwise (so it can gate a CI job or a cron check). When the run's Redis state was lost and its
+learner rebuilt it from a checkpoint (``checkpoint.on_lost_state``), a line says when and what was lost: the totals
+count from then on, and the prompts in flight at the loss have no fate.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from typing import Any
 
 from async_rl.entry import first_sentence
@@ -39,12 +42,15 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
 async def report(run: RunConfig, num_fates: int = 0) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
+    from actors.learner.run_state import LOST_FIELD
     from buffer.audit import Audit, audit_run
 
     assert run.redis_url
     client = aioredis.Redis.from_url(run.redis_url)
     try:
         out = await audit_run(client, run.names)
+        lost = await client.hget(run.names.learner_state, LOST_FIELD)
+        out["lost_state"] = json.loads(lost) if lost else None
         if num_fates:
             out["latest_fates"] = await Audit(client, run.names).fates(num_fates)
     finally:
@@ -64,6 +70,13 @@ def render(prefix: str, rep: dict[str, Any]) -> str:
         f"fates kept: {rep['fates_kept']}" + (" (older ones trimmed; counters keep the totals)" if rep["fates_trimmed"]
                                               else "" if rep["fates_match_counters"] else "  MISMATCH with counters"),
     ]  # fmt: skip
+    if rep.get("lost_state"):
+        lost = rep["lost_state"]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lost["at"]))
+        lines.append(f"state lost: at {when} the run's Redis {lost['missing']}; its learner went on from checkpoint "
+                     f"{lost['checkpoint']} (step {lost['step']}, version {lost['version']}, prompts issued from "
+                     f"#{lost['prompts_issued']}): the counters count from then on, and the prompts in flight at the "
+                     "loss have no fate")  # fmt: skip
     if rep["finished_twice"]:
         lines.append(f"finished twice: {', '.join(rep['finished_twice'])}")
     if rep["unaccounted"]:

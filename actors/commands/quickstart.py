@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,24 +98,37 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     return args
 
 
+def _term_with_parent() -> None:  # runs in the child before exec
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def spawn_role(cmd: list[str], log_path: Path, threads: int) -> subprocess.Popen:
-    """Start one role's process (``cmd``) with ``threads`` BLAS/torch threads, its output into ``log_path``."""
+    """Start one role's process (``cmd``) with ``threads`` BLAS/torch threads, its output into ``log_path``.
+
+    In a process group of its own: a Ctrl-C in the terminal reaches only the command that started it, which stops
+    its roles in order (they would otherwise stop at once beside the servers they drain through). It gets SIGTERM
+    if that command dies without stopping it (``PR_SET_PDEATHSIG``), so nothing outlives a killed quickstart."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false")  # fmt: skip
-    fh = log_path.open("wb")
-    return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    with log_path.open("wb") as fh:
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                process_group=0, preexec_fn=_term_with_parent)  # fmt: skip
 
 
-def stop_roles(procs: list[subprocess.Popen], timeout_s: float) -> None:
-    """SIGTERM every process still running, then SIGKILL what has not exited within ``timeout_s`` in all."""
+def stop_roles(procs: list[subprocess.Popen], timeout_s: float, force: threading.Event | None = None) -> None:
+    """SIGTERM every process still running, then SIGKILL what has not exited within ``timeout_s`` in all, or at once
+    when ``force`` is set meanwhile (a second Ctrl-C)."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        while p.poll() is None and time.monotonic() < deadline and not (force is not None and force.is_set()):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(0.1)
+        if p.poll() is None:
             p.kill()
             p.wait()
 
@@ -202,96 +218,154 @@ def main(argv: list[str] | None = None, prog: str = "async-rl quickstart") -> in
     return asyncio.run(_run(args))
 
 
+STOP_TIMEOUT_S = 15.0
+"""How long the roles may take to stop (the learner commits, generators finish or release their batch) before they are
+killed; a second Ctrl-C kills them at once."""
+COLUMNS = ("step", "version", "exact\nmatch", "reward", "max\nstale", "stale\ndrops", "gens\nalive",
+           "learner\nsamples/s", "gens\ntok/s")  # fmt: skip
+"""The table's headers: short, on two lines, so that the table fits 80 columns (tests/unit/test_quickstart.py)."""
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def progress_table(progress: Progress, generators: int, elapsed_s: float) -> Any:
+    """The live view, and the table the quickstart ends with: the last step's figures."""
+    from rich.table import Table
+
+    alive = progress.alive(within_s=10.0)
+    t = Table(title=f"tiny MoE learns to copy 5 digits ({elapsed_s:.0f}s)")
+    for col in COLUMNS:
+        t.add_column(col, justify="right")
+    t.add_row(str(progress.step), str(progress.version), f"{progress.exact:.3f}", f"{progress.reward:.3f}",
+              f"{progress.staleness_max:.0f}", f"{progress.dropped_stale:.0f}", f"{len(alive)}/{generators}",
+              f"{progress.samples_per_s:.0f}", f"{sum(h.tokens_per_s for h in alive):.0f}")  # fmt: skip
+    return t
+
+
 async def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
-    from rich.table import Table
 
-    from async_rl.metrics.sinks import read_metrics
+    from async_rl.process.lifecycle import StartupError
     from async_rl.run.names import Names
     from async_rl.servers.control import ControlPlane, Heartbeat, LearnerProgress, Message
     from async_rl.servers.embedded import ensure_servers
 
     console = Console(stderr=True)
+    # Our own handlers, from the start: a shell starts a background job with SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt of its own, so a SIGINT to this PID alone went unheard; the roles are in their own process
+    # groups (spawn_role) and hear of a Ctrl-C from us.
+    interrupted, force = asyncio.Event(), threading.Event()
+
+    def on_signal() -> None:
+        if interrupted.is_set():  # a second Ctrl-C while the roles stop: cut their wait short (SIGKILL)
+            force.set()
+        interrupted.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
     error = validate_configs(args)
     if error:
         console.print(f"[bold red]async-rl quickstart: config error:[/] {error}")
         return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir: Path = args.run_dir or Path("runs") / f"quickstart-{stamp}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        console.print(f"async-rl quickstart: cannot create the run directory {run_dir}: {exc.strerror or exc} "
+                      "(--run-dir picks another)", highlight=False)  # fmt: skip
+        return 2
     prefix = f"quickstart-{stamp}-{os.getpid()}"
     names = Names(prefix=prefix)
     t_start = time.time()
-    servers = ensure_servers(args.redis_url, args.nats_url)
+    try:
+        servers = ensure_servers(args.redis_url, args.nats_url)
+    except (StartupError, RuntimeError) as exc:
+        console.print(f"async-rl quickstart: {exc}", highlight=False)
+        return 1
     console.print(f"[bold]async-rl quickstart[/] run dir {run_dir}  redis {servers.redis_url}  nats {servers.nats_url}")
     cli = [sys.executable, "-m", "actors.commands.cli"]
     learner_args, generator_args = recipe(args, prefix, servers.redis_url, servers.nats_url, run_dir)
-    learner_cmd = [*cli, *learner_args]
     progress = Progress()
-    plane = await ControlPlane(servers.nats_url, name="quickstart").connect()
-
-    async def on_event(msg: Message) -> None:
-        if isinstance(msg, Heartbeat):
-            progress.heartbeats[msg.generator_id] = msg
-        elif isinstance(msg, LearnerProgress):
-            m = msg.metrics
-            progress.step, progress.version = msg.step, msg.version
-            progress.reward = m.get("reward", 0.0)
-            progress.exact = m.get(HEADLINE, 0.0)
-            progress.staleness_max = max(progress.staleness_max, m.get("staleness_group_max", 0.0))
-            progress.samples_per_s = m.get("samples", 0.0) / max(m.get("step_s", 1.0), 1e-9)
-            progress.dropped_stale = m.get("buffer/dropped_stale", 0.0)
-            progress.rewards.append((time.time() - t_start, msg.step, progress.exact))
-
-    await plane.subscribe(names.heartbeat_subject, on_event, kinds=(Heartbeat,))
-    await plane.subscribe(names.learner_subject, on_event, kinds=(LearnerProgress,))
     procs: list[subprocess.Popen] = []
-    learner = spawn_role(learner_cmd, run_dir / "learner.log", threads=1)
-    procs.append(learner)
-    for i, gen_args in enumerate(generator_args):
-        procs.append(spawn_role([*cli, *gen_args], run_dir / f"generator-{i}.log", threads=1))
-
-    def view() -> Table:
-        alive = progress.alive(within_s=10.0)
-        t = Table(title=f"async-rl quickstart: tiny MoE learns to copy 5 digits ({time.time() - t_start:.0f}s)")
-        for col in ("step", "version", "exact match", "reward", "max staleness", "dropped stale", "generators alive",
-                    "samples/s (learner)", "gen tokens/s"):  # fmt: skip
-            t.add_column(col, justify="right")
-        t.add_row(str(progress.step), str(progress.version), f"{progress.exact:.3f}", f"{progress.reward:.3f}",
-                  f"{progress.staleness_max:.0f}",
-                  f"{progress.dropped_stale:.0f}", f"{len(alive)}/{args.generators}", f"{progress.samples_per_s:.0f}",
-                  f"{sum(h.tokens_per_s for h in alive):.0f}")  # fmt: skip
-        return t
-
-    deadline = t_start + args.max_minutes * 60
     outcome = "time limit"
+    plane = None
     try:
-        with Live(view(), console=console, refresh_per_second=2, transient=False, auto_refresh=not args.quiet) as live:
-            last_print = 0.0
-            while True:
-                await asyncio.sleep(0.5)
-                live.update(view())
-                if args.quiet and time.time() - last_print > 15:
-                    last_print = time.time()
-                    console.print(view())
-                if learner.poll() is not None:
-                    outcome = (
-                        "learner finished" if learner.returncode == 0 else f"learner failed ({learner.returncode})"
-                    )
-                    break
-                if any(p.poll() is not None for p in procs[1:]) and not progress.alive(10.0):
-                    outcome = "all generators exited"
-                    break
-                if time.time() > deadline:
-                    break
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        outcome = "interrupted"
+        plane = await ControlPlane(servers.nats_url, name="quickstart").connect()
+
+        async def on_event(msg: Message) -> None:
+            if isinstance(msg, Heartbeat):
+                progress.heartbeats[msg.generator_id] = msg
+            elif isinstance(msg, LearnerProgress):
+                m = msg.metrics
+                progress.step, progress.version = msg.step, msg.version
+                progress.reward = m.get("reward", 0.0)
+                progress.exact = m.get(HEADLINE, 0.0)
+                progress.staleness_max = max(progress.staleness_max, m.get("staleness_group_max", 0.0))
+                progress.samples_per_s = m.get("samples", 0.0) / max(m.get("step_s", 1.0), 1e-9)
+                progress.dropped_stale = m.get("buffer/dropped_stale", 0.0)
+                progress.rewards.append((time.time() - t_start, msg.step, progress.exact))
+
+        await plane.subscribe(names.heartbeat_subject, on_event, kinds=(Heartbeat,))
+        await plane.subscribe(names.learner_subject, on_event, kinds=(LearnerProgress,))
+        procs.append(spawn_role([*cli, *learner_args], run_dir / "learner.log", threads=1))
+        for i, gen_args in enumerate(generator_args):
+            procs.append(spawn_role([*cli, *gen_args], run_dir / f"generator-{i}.log", threads=1))
+        outcome = await _watch(args, procs, progress, t_start, interrupted, console, Live)
     finally:
-        stop_roles(procs, timeout_s=30.0)
-        await plane.close()
+        await asyncio.to_thread(stop_roles, procs, STOP_TIMEOUT_S, force)
+        if plane is not None:
+            await plane.close()
         servers.stop()
     wall_s = time.time() - t_start
+    if outcome == "interrupted":
+        console.print(f"async-rl quickstart: interrupted after {wall_s:.0f}s at step {progress.step} (exact-match "
+                      f"rate {progress.exact:.3f}); the learner, {plural(len(procs) - 1, 'generator')} and the servers "
+                      f"stopped; logs in {run_dir}", highlight=False, soft_wrap=True)  # fmt: skip
+        return 130
+    return report(args, progress, run_dir, t_start, wall_s, outcome)
+
+
+async def _watch(args: argparse.Namespace, procs: list[subprocess.Popen], progress: Progress, t_start: float,
+                 interrupted: asyncio.Event, console: Any, live_cls: Any) -> str:  # fmt: skip
+    """Show the live view until the learner ends, every generator left, the time limit or an interrupt; the
+    outcome in words."""
+    deadline = t_start + args.max_minutes * 60
+    learner = procs[0]
+    last_print = 0.0
+    # Transient: the live view (on stderr) goes away at the end, and the final table is printed to stdout.
+    with live_cls(progress_table(progress, args.generators, 0), console=console, refresh_per_second=2,
+                  transient=True, auto_refresh=not args.quiet) as live:  # fmt: skip
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(interrupted.wait(), 0.5)
+            if interrupted.is_set():
+                return "interrupted"
+            table = progress_table(progress, args.generators, time.time() - t_start)
+            live.update(table)
+            if args.quiet and time.time() - last_print > 15:
+                last_print = time.time()
+                console.print(table)
+            if learner.poll() is not None:
+                return "learner finished" if learner.returncode == 0 else f"learner failed ({learner.returncode})"
+            if any(p.poll() is not None for p in procs[1:]) and not progress.alive(10.0):
+                return "all generators exited"
+            if time.time() > deadline:
+                return "time limit"
+
+
+def report(args: argparse.Namespace, progress: Progress, run_dir: Path, t_start: float, wall_s: float,
+           outcome: str) -> int:  # fmt: skip
+    """The end of a run: the curve (PNG), the table and one line saying whether the target was reached, then the
+    figures as JSON on a line of their own (``| tail -1`` gives them), all on stdout; 0 when reached."""
+    from rich.console import Console
+
+    from async_rl.metrics.sinks import read_metrics
+
     history = read_metrics(run_dir)
     rows = [r for r in history if "reward" in r]
     # When each step was taken (its live event); metrics rows are written in batches, at checkpoints.
@@ -329,8 +403,10 @@ async def _run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
-    console.print_json(json.dumps(summary))
     ok = summary["exact_last"] is not None and summary["exact_last"] >= args.target_reward
-    console.print(f"[bold {'green' if ok else 'red'}]{'reached' if ok else 'did not reach'} "
-                  f"exact-match rate {args.target_reward}[/] in {wall_s:.0f}s ({outcome}); curve: {png}")  # fmt: skip
+    out = Console(width=80, soft_wrap=False)  # stdout; at most 80 columns wherever it goes
+    out.print(progress_table(progress, args.generators, wall_s))
+    out.print(f"{'reached' if ok else 'did not reach'} exact-match rate {args.target_reward} in {wall_s:.0f}s "
+              f"({outcome}); curve: {png}", highlight=False, soft_wrap=True)  # fmt: skip
+    print(json.dumps(summary), flush=True)  # one line, whatever the terminal's width
     return 0 if ok else 1

@@ -31,12 +31,15 @@ taking several steps a second runs ahead of it between two heartbeats."""
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=first_sentence(__doc__))
-    p.add_argument("--prefix", default="async-rl", help="run prefix (run.prefix of the learner)")
+    p.add_argument("--prefix", default="async-rl", help="run prefix: run.prefix of the learner (default %(default)s)")
     p.add_argument("--redis-url", default=None, help="Redis URL (default $ASYNC_RL_REDIS_URL)")
-    p.add_argument("--nats-url", default=None, help="NATS URL (default $ASYNC_RL_NATS_URL)")
-    p.add_argument("--listen-s", type=float, default=3.0, help="how long to collect heartbeats")
-    p.add_argument("--watch", action="store_true", help="refresh until interrupted")
-    p.add_argument("--json", action="store_true", help="print one JSON snapshot")
+    p.add_argument("--nats-url", default=None,
+                   help="NATS URL for the generators' heartbeats (default $ASYNC_RL_NATS_URL; without one, the "
+                        "learner's registry alone)")  # fmt: skip
+    p.add_argument("--listen-s", type=float, default=3.0,
+                   help="seconds to collect heartbeats before each snapshot (default %(default)s)")  # fmt: skip
+    p.add_argument("--watch", action="store_true", help="refresh until interrupted (default: one snapshot)")
+    p.add_argument("--json", action="store_true", help="print one JSON snapshot (default: tables)")
     args = p.parse_args(argv)
     try:
         run = RunConfig(prefix=args.prefix, redis_url=args.redis_url, nats_url=args.nats_url)

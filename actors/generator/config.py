@@ -204,6 +204,10 @@ class GeneratorConfig:
     """On SIGTERM: time allowed to finish the batch in hand before its prompts are released to others."""
     max_prompts: int = 0
     """Stop after this many prompts (0: run until stopped). For tests and benchmarks."""
+    max_failed_groups: int = 8
+    """Exit 1, naming ``task.reward`` (``task.env`` for environments), once every sample of this many groups in a
+    row failed to score: the reward is broken, not one odd input. Each group whose reward or environment raised is
+    dead-lettered with the error either way and the generator goes on (0: never exit for it)."""
     on_run_end: Literal["exit", "wait"] = "exit"
     """When the learner announces the end of the run (max_steps or target_reward reached): ``exit`` drains the
     batch in hand and exits 0 (a batch job ends by itself); ``wait`` keeps the generator waiting for a successor
@@ -222,5 +226,7 @@ class GeneratorConfig:
             raise ValueError("generator.drain_timeout_s must be >= 0")
         if self.max_prompts < 0:
             raise ValueError("generator.max_prompts must be >= 0")
+        if self.max_failed_groups < 0:
+            raise ValueError("generator.max_failed_groups must be >= 0")
         if self.on_run_end not in ("exit", "wait"):
             raise ValueError(f"generator.on_run_end must be exit or wait, got {self.on_run_end!r}")

@@ -16,7 +16,8 @@ trains on as one :class:`~async_rl.wire.types.Sample`:
 
 Limits (:class:`EpisodeConfig`): model turns, response tokens per episode (model and environment
 together), and a timeout per environment step. An environment that raises or times out ends its
-episode only; why an episode ended is in the sample's ``reward_info`` (``episode/end_<reason>``, one
+episode only (one that raises also costs its group: the generator dead-letters it, :mod:`actors.generator.scoring`);
+why an episode ended is in the sample's ``reward_info`` (``episode/end_<reason>``, one
 of :data:`END_REASONS`, 1.0 for the reason that applied), with ``episode/turns`` and
 ``episode/env_tokens``, so the learner's metrics show them as ``reward/episode/...``.
 Episodes of one prompt group and of several prompts run concurrently; the torch engine batches
@@ -28,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -70,18 +71,29 @@ class EpisodeConfig:
 
 
 async def run_group(engine: Engine, task: EnvTask, metadata: Mapping[str, Any], prompt_ids: np.ndarray,
-                    params: SamplingParams, cfg: EpisodeConfig) -> list[Sample]:  # fmt: skip
+                    params: SamplingParams, cfg: EpisodeConfig,
+                    on_error: Callable[[BaseException], None] | None = None) -> list[Sample]:  # fmt: skip
     """``params.n`` episodes of one prompt, concurrently; one sample each, in order."""
     one = dataclasses.replace(params, n=1)
-    return list(await asyncio.gather(*(run_episode(engine, task, metadata, prompt_ids, one, cfg)
+    return list(await asyncio.gather(*(run_episode(engine, task, metadata, prompt_ids, one, cfg, on_error)
                                        for _ in range(params.n))))  # fmt: skip
 
 
 async def run_episode(engine: Engine, task: EnvTask, metadata: Mapping[str, Any], prompt_ids: np.ndarray,
-                      params: SamplingParams, cfg: EpisodeConfig) -> Sample:  # fmt: skip
+                      params: SamplingParams, cfg: EpisodeConfig,
+                      on_error: Callable[[BaseException], None] | None = None) -> Sample:  # fmt: skip
     """One episode of ``task`` from ``prompt_ids`` (see the module docstring); ``params.n`` must be 1.
 
-    Engine errors propagate (the generator's own failure); environment errors end the episode."""
+    Engine errors propagate (the generator's own failure); environment errors end the episode and go to
+    ``on_error`` (the generator's :class:`~actors.generator.scoring.Scoring`: the group is dead-lettered), else to
+    the log."""
+
+    def env_error(exc: BaseException, what: str) -> None:
+        if on_error is not None:
+            on_error(exc)
+        else:
+            log.warning("task %s: %s %r; episode ended", task.name, what, exc)
+
     assert params.n == 1, "one episode samples one response per turn"
     prompt = as_tokens(prompt_ids, "prompt_ids")
     trace = _Trace(prompt)
@@ -90,7 +102,7 @@ async def run_episode(engine: Engine, task: EnvTask, metadata: Mapping[str, Any]
     try:
         episode = task.episode(metadata)
     except Exception as exc:  # no episode: an empty sample (never trained on) says why
-        log.warning("task %s could not open an episode: %r", task.name, exc)
+        env_error(exc, "could not open an episode:")
         return trace.sample(0.0, "abort", _info({}, "env_error", trace))
     try:
         while True:
@@ -115,7 +127,7 @@ async def run_episode(engine: Engine, task: EnvTask, metadata: Mapping[str, Any]
                 break
             except Exception as exc:  # an environment's failure ends its episode, never the generator
                 end, finish = "env_error", "abort"
-                log.warning("task %s: the environment raised %r; episode ended", task.name, exc)
+                env_error(exc, "the environment raised")
                 break
             if reply.done:
                 end = "done"

@@ -6,7 +6,7 @@ import logging
 import signal
 import sys
 
-from async_rl.entry import check_task, config_parser, parse_config, setup_logging
+from async_rl.entry import check_device, check_task, config_parser, parse_config, setup_logging
 
 
 def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int:
@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
 
     cfg = parse_config(GeneratorConfig, args, prog)
     task = check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
+    if cfg.engine == "torch":
+        check_device(cfg.torch.device, "torch.device", prog)
     if not cfg.run.redis_url or not cfg.run.nats_url:
         print(f"{prog}: config error: run.redis_url and run.nats_url (or ASYNC_RL_REDIS_URL / ASYNC_RL_NATS_URL) "
               "are required: a generator joins an existing run", file=sys.stderr)  # fmt: skip
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
     import asyncio
 
     from actors.generator.process import Generator
+    from actors.generator.scoring import ScoringFailed
     from async_rl.process.lifecycle import StartupError, first_task_failure
 
     async def _run() -> None:
@@ -47,6 +50,11 @@ def main(argv: list[str] | None = None, prog: str = "async-rl generator") -> int
         if line is None and isinstance(exc, BaseExceptionGroup):
             failed = first_task_failure(exc)
             line = None if failed is None else str(failed)
+        if line is None:  # every sample of too many groups in a row failed to score: its own line names task.reward
+            scoring = exc.subgroup(ScoringFailed) if isinstance(exc, BaseExceptionGroup) else exc
+            while isinstance(scoring, BaseExceptionGroup):
+                scoring = scoring.exceptions[0]
+            line = str(scoring) if isinstance(scoring, ScoringFailed) else None
         if line is None:
             raise
         logging.getLogger("actors.generator").debug("exiting on", exc_info=exc)

@@ -25,6 +25,11 @@ GENERATOR_METRICS: dict[str, Metric] = {
         "histogram", "Time to fetch, verify and stage one weight version (generation goes on meanwhile).",
         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)),  # fmt: skip
     "async_rl_generator_weight_swap_pause_seconds": Metric("gauge", "Time generation stood still for the last swap."),
+    "async_rl_generator_scoring_errors_total": Metric(
+        "counter", "Samples whose reward or environment raised, by reason (where, the exception, its line).",
+        labels=("reason",)),  # fmt: skip
+    "async_rl_generator_dead_lettered_groups_total": Metric(
+        "counter", "Groups sent to the dead letters because scoring raised on some of their samples."),
 }
 
 
@@ -46,6 +51,12 @@ class GeneratorMetrics:
     def generated(self, num_prompts: int, num_tokens: int) -> None:
         self.exporter.inc("async_rl_generator_prompts_total", num_prompts)
         self.exporter.inc("async_rl_generator_tokens_total", num_tokens)
+
+    def scoring_error(self, reason: str) -> None:
+        self.exporter.inc("async_rl_generator_scoring_errors_total", reason=reason)
+
+    def dead_lettered(self) -> None:
+        self.exporter.inc("async_rl_generator_dead_lettered_groups_total")
 
     def beat(self, hb: Heartbeat, sync: WeightSync | None, engine: Engine | None) -> None:
         e = self.exporter

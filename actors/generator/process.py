@@ -2,7 +2,8 @@
 
 Tasks (named, in one TaskGroup): ``work`` (read prompts through the consumer group, generate,
 score, push one group record, ack the prompt only after the push; an environment task runs one episode of
-several turns per sample instead, :mod:`actors.generator.episodes`), ``heartbeat`` (NATS),
+several turns per sample instead, :mod:`actors.generator.episodes`; a group whose reward or environment raised goes
+to the dead letters instead, :mod:`actors.generator.scoring`), ``heartbeat`` (NATS),
 and the weight sync's own fetch/poll tasks. Control messages (pause/resume/drain/stop) and
 SIGTERM/SIGINT set events; shutdown has two phases: stop taking prompts and finish the batch
 in hand within ``drain_timeout_s``, then release whatever is still held so other generators
@@ -30,6 +31,7 @@ from actors.generator.engine import Engine, SamplingParams
 from actors.generator.episodes import run_group
 from actors.generator.join import check_join
 from actors.generator.metrics import GeneratorMetrics
+from actors.generator.scoring import ScoredGroup, Scoring
 from actors.generator.weight_sync import WeightSync
 from async_rl.process.lifecycle import named_task, raise_if_cancel_requested, redact_url
 from async_rl.process.repeated import RepeatedLine
@@ -44,6 +46,7 @@ from async_rl.weights.gpu.reader import GpuReader
 from async_rl.weights.transport import make_transport
 from async_rl.wire.sampling import Sampling
 from async_rl.wire.types import GroupRecord, Sample
+from buffer.dead_letters import error_line
 from buffer.evals import GREEDY_KEY, ROUND_KEY, EvalQueue, EvalResult
 from buffer.prompts import PromptEntry, PromptQueue
 from buffer.rollout_writer import RolloutWriter
@@ -110,6 +113,8 @@ class Generator:
     """The end of the run, once the learner announced it."""
     _metrics: GeneratorMetrics
     """Prometheus /metrics (a no-op unless prometheus.port is set)."""
+    _scoring: Scoring
+    """Errors of the task's own code (reward, environment): counted per reason, their groups dead-lettered."""
 
     def __init__(self, cfg: GeneratorConfig, *, task: Task | None = None) -> None:
         """``task``: ``cfg.task`` built already (the entry point builds it to check the config); else :meth:`setup`
@@ -137,6 +142,7 @@ class Generator:
         self._started_at = time.time()
         self.run_ended = None
         self._metrics = GeneratorMetrics(cfg)
+        self._scoring = Scoring(cfg.task, cfg.max_failed_groups, self._metrics)
 
     # ------------------------------------------------------------------ lifecycle
     async def setup(self, stack: contextlib.AsyncExitStack) -> bool:
@@ -160,7 +166,9 @@ class Generator:
             self._on_run_end(ended)
             if self.stop_event.is_set():
                 return False
-        await check_join(cfg, self._redis, self._control)  # the run exists, the model matches: before any weight
+        # The run exists, the model and the task match: before any weight. A generator that came before its learner
+        # checks once the learner's first weights are out (its state is written before them).
+        checked = await check_join(cfg, self._redis, self._control)
         self._engine = await asyncio.to_thread(build_engine, cfg)
         stack.push_async_callback(self._engine.close)
         transport = make_transport(cfg.transport, cfg.run.redis_url, names)
@@ -175,6 +183,8 @@ class Generator:
         log.info("generator %s: engine %s ready; loading the newest weight version", cfg.generator_id, cfg.engine)
         if not await self._sync.start():  # the newest complete version is applied before the first token
             return False
+        if not checked:
+            await check_join(cfg, self._redis, self._control)
         self.state = "running"
         return True
 
@@ -197,6 +207,7 @@ class Generator:
 
     async def _release_held(self) -> None:
         self.state = "stopping"
+        self._scoring.flush()
         released = 0
         if self._held and self._prompts is not None:
             try:
@@ -367,15 +378,25 @@ class Generator:
             abort.cancel()
             results = gen.result()
             gen_s = time.time() - t0
-            for entry, samples in zip(group, results, strict=True):
-                record = self._record(entry, samples, gen_s)
-                await writer.append(record)
-                await asyncio.shield(prompts.ack([entry]))
+            for entry, scored in zip(group, results, strict=True):
+                samples = scored.samples
+                if scored.failed:  # the task's code raised on it: the dead letters, with the error, and go on
+                    await asyncio.shield(self._dead_letter(prompts, entry, scored))
+                else:
+                    await writer.append(self._record(entry, samples, gen_s))
+                    await asyncio.shield(prompts.ack([entry]))
                 self._held = [h for h in self._held if h.entry_id != entry.entry_id]
                 self.num_prompts += 1
                 num_tokens = sum(int(s.response_ids.size) for s in samples)
                 self.num_tokens += num_tokens
                 self._metrics.generated(1, num_tokens)
+                self._scoring.judge(scored)  # every sample of too many groups in a row failed: ScoringFailed
+
+    async def _dead_letter(self, prompts: PromptQueue, entry: PromptEntry, scored: ScoredGroup) -> None:
+        assert scored.first_error is not None
+        await prompts.dead_letter(entry, scored.dead_letter_reason(), error_line(scored.first_error),
+                                  self.cfg.generator_id)  # fmt: skip
+        self._metrics.dead_lettered()
 
     async def _evaluate(self, entries: list[PromptEntry]) -> None:
         """Generate and score evaluation prompts; each result goes to the evaluation queue with the prompt's ack
@@ -395,8 +416,12 @@ class Generator:
                 await asyncio.gather(gen, return_exceptions=True)
                 return  # held evaluation prompts are released by close()
             abort.cancel()
-            for entry, samples in zip(group, gen.result(), strict=True):  # scored by _generate (episodes too)
-                meta = entry.spec.metadata
+            for entry, scored in zip(group, gen.result(), strict=True):  # scored by _generate (episodes too)
+                if scored.failed:
+                    await asyncio.shield(self._dead_letter(self._evals.prompts, entry, scored))
+                    self._held_evals = [h for h in self._held_evals if h.entry_id != entry.entry_id]
+                    continue
+                samples, meta = scored.samples, entry.spec.metadata
                 versions = [int(v) for s in samples for v in np.asarray(s.versions).tolist()] or [-1]
                 result = EvalResult(
                     prompt_id=entry.spec.prompt_id, round=int(meta.get(ROUND_KEY, entry.issued_version)),
@@ -427,7 +452,7 @@ class Generator:
         self._fresh_waited = wanted
         await engine.wait_applied(wanted, wait_s)
 
-    async def _generate(self, group: list[PromptEntry], params: SamplingParams) -> list[list[Sample]]:
+    async def _generate(self, group: list[PromptEntry], params: SamplingParams) -> list[ScoredGroup]:
         """The group's scored samples; first, in synchronous mode, the weight version its prompts ask for (the
         weight sync task fetches it; an abort cancels the wait with the generation). An environment task runs one
         episode per sample (:mod:`actors.generator.episodes`), all of them at once."""
@@ -444,22 +469,18 @@ class Generator:
         task, engine = self._task, self._engine
         try:
             if isinstance(task, EnvTask):
-                return list(await asyncio.gather(*(run_group(engine, task, e.spec.metadata, e.spec.prompt_ids, params,
-                                                             self.cfg.episode) for e in group)))  # fmt: skip
+                return list(await asyncio.gather(*(self._episodes(engine, task, e, params) for e in group)))
             results = await engine.generate([e.spec.prompt_ids for e in group], params)
         finally:
             self.generate_s += time.monotonic() - t0
-        out = []
-        for entry, completions in zip(group, results, strict=True):
-            samples = []
-            for c in completions:
-                score = task.score(entry.spec.metadata, c.token_ids)
-                samples.append(Sample(
-                    response_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions, reward=float(score.reward),
-                    finish_reason=c.finish_reason, routes=c.routes, reward_info=dict(score.info),
-                ))  # fmt: skip
-            out.append(samples)
-        return out
+        return [self._scoring.score(task, e.spec.metadata, completions) for e, completions in zip(group, results,
+                                                                                                   strict=True)]  # fmt: skip
+
+    async def _episodes(self, engine: Engine, task: EnvTask, entry: PromptEntry, params: SamplingParams) -> ScoredGroup:
+        errors: list[BaseException] = []
+        samples = await run_group(engine, task, entry.spec.metadata, entry.spec.prompt_ids, params, self.cfg.episode,
+                                  on_error=errors.append)  # fmt: skip
+        return self._scoring.episodes(samples, errors)
 
     def _record(self, entry: PromptEntry, samples: list[Sample], gen_s: float) -> GroupRecord:
         spec = entry.spec

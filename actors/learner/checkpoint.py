@@ -71,6 +71,12 @@ class CheckpointManager:
         path = self.root / pointer.read_text().strip()
         return path if (path / STATE_FILE).is_file() else None
 
+    def latest_meta(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint's path and its state (step, version, published version, prompts issued) without
+        loading the model: what a learner compares with the run's Redis state before anything heavy."""
+        path = self.latest_path()
+        return None if path is None else (path, json.loads((path / STATE_FILE).read_text()))
+
     def save(self, backend: TrainingBackend, state: LearnerState) -> Path:
         """Write a checkpoint of ``state`` and make it the latest."""
         path = self.write(backend, state)

@@ -141,10 +141,17 @@ class CheckpointConfig:
     """Checkpoints kept on disk."""
     resume: bool = True
     """Resume from the newest checkpoint under <run_dir>/checkpoints when there is one."""
+    on_lost_state: Literal["refuse", "rebuild"] = "refuse"
+    """When the run's Redis state is missing or older than the checkpoint (its server lost it): ``refuse`` exits 1
+    with one line saying so; ``rebuild`` goes on from the checkpoint (its version published again, prompts issued
+    from its data position; the prompts in flight at the loss are lost, and the run's state records it for
+    ``async-rl audit``). A learner on embedded servers of its own always rebuilds (they keep nothing)."""
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ValueError("learner.checkpoint.every must be >= 1")
+        if self.on_lost_state not in ("refuse", "rebuild"):
+            raise ValueError(f"learner.checkpoint.on_lost_state must be refuse or rebuild, got {self.on_lost_state!r}")
         if self.keep < 1:
             raise ValueError("learner.checkpoint.keep must be >= 1")
 

@@ -65,6 +65,7 @@ from async_rl.run.end import announce_run_end, clear_run_end
 from async_rl.run.lease import Fence, RunLease, fenced_hset, is_fenced
 from async_rl.servers.control import ControlPlane, LearnerProgress, RunEnded
 from async_rl.servers.reach import redis_client
+from async_rl.tasks import identity
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.weights.background import PublishRecord
@@ -189,6 +190,7 @@ class Learner(Intake):
             "version": self.state.version, "step": self.state.step, "started_at": time.time(),
             "backend": cfg.backend, "model": cfg.model.name,
             ARCH_FIELD: encode_architecture(await asyncio.to_thread(architecture, cfg.model.name)),
+            identity.STATE_FIELD: identity.encode(await asyncio.to_thread(identity.task_facts, cfg.task)),
             LEARNER_HOLD_FIELD: cfg.checkpoint.every * cfg.batch_groups,
         })  # fmt: skip
         self._last_publish_s = await self._publishing.start(self.state)  # restored weights numbered and out

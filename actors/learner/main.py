@@ -7,7 +7,15 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from async_rl.entry import check_task, config_parser, parse_config, save_resolved_config, setup_logging
+from async_rl.entry import (
+    check_device,
+    check_run_dir,
+    check_task,
+    config_parser,
+    parse_config,
+    save_resolved_config,
+    setup_logging,
+)
 
 if TYPE_CHECKING:
     from actors.learner.config import LearnerConfig
@@ -20,6 +28,9 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
 
     cfg = parse_config(LearnerConfig, args, prog)
     task = check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
+    if cfg.backend == "torch":
+        check_device(cfg.torch.device, "torch.device", prog)
+    check_run_dir(cfg.run.run_dir, prog)
     setup_logging(args.log_level, "learner")
     import asyncio
 
@@ -55,6 +66,18 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
             if servers is not None:
                 servers.stop()
             return 1 if isinstance(exc, LeaseHeld) else 130
+    if cfg.checkpoint.resume:  # the run's Redis state against the checkpoint: lost state is said, before the model
+        from actors.learner.run_state import check_run_state
+
+        lost = check_run_state(cfg, owned_servers=servers is not None)
+        if lost is not None:
+            print(f"{prog}: {lost}", file=sys.stderr)
+            if lease is not None:
+                lease.release()
+            if servers is not None:
+                servers.stop()
+            return 1
+    if lease is not None:
         save_resolved_config(cfg, cfg.run.run_dir, "learner")
 
     from actors.learner.build import build_backend

@@ -25,6 +25,21 @@ from typing import Any
 
 _FIRST_SENTENCE = re.compile(r"(?<!e\.g)(?<!i\.e)(?<!etc)\.\s")
 """The end of a docstring's first sentence (not the dot of an "e.g.")."""
+_ROLE = re.compile(r":(?:py:)?(?:data|meth|class|func|mod|attr|obj|exc|const):`(~?)([^`]+)`")
+"""A Sphinx cross-reference (``:func:`a.b` ``, ``:class:`~a.B` ``): the docstrings are written for Sphinx too."""
+_LITERAL = re.compile(r"``([^`]+)``")
+"""A reST inline literal (two backticks each side)."""
+
+
+def plain(text: str) -> str:
+    """A docstring's line as a terminal shows it: a Sphinx role becomes its target (``:data:`SCHEMES` `` ->
+    `SCHEMES`; with ``~`` only the last name, ``:meth:`~a.B.c` `` -> `c`), a reST literal takes one backtick."""
+
+    def role(m: re.Match[str]) -> str:
+        target = m.group(2).split(".")[-1] if m.group(1) else m.group(2)
+        return f"`{target}`"
+
+    return _LITERAL.sub(r"`\1`", _ROLE.sub(role, text))
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +129,7 @@ def config_keys(cls: type, prefix: str = "") -> list[Key]:
         if nested is not None:
             out += config_keys(nested, path + ".")
         else:
-            doc = docs.get(f.name, "").split("\n\n")[0].replace("\n", " ")
+            doc = plain(docs.get(f.name, "").split("\n\n")[0].replace("\n", " "))
             first = _FIRST_SENTENCE.split(doc, maxsplit=1)[0].rstrip(".") + "." if doc else ""
             out.append(Key(path, type_name(hints[f.name]), _toml(_default(f)), first))
     return out
@@ -123,7 +138,7 @@ def config_keys(cls: type, prefix: str = "") -> list[Key]:
 def sections(cls: type) -> list[tuple[str, str]]:
     """``(name, docstring's first line)`` of the top-level sections (the fields that are configs themselves)."""
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
-    return [(f.name, docs.get(f.name, "").split("\n")[0]) for f in dataclasses.fields(cls)
+    return [(f.name, plain(docs.get(f.name, "").split("\n")[0])) for f in dataclasses.fields(cls)
             if f.init and _dataclass_of(hints[f.name]) is not None]  # fmt: skip
 
 

@@ -42,6 +42,9 @@ class Metric:
     help: str
     buckets: tuple[float, ...] = field(default=())
     """Histogram bucket upper bounds (prometheus_client's defaults when empty)."""
+    labels: tuple[str, ...] = ()
+    """Labels of its own beside the process's (``reason``), given with each :meth:`Exporter.inc`; keep their values
+    few (a reason, not a message)."""
 
 
 class Exporter:
@@ -76,8 +79,8 @@ class Exporter:
         import prometheus_client as pc
 
         registry = pc.CollectorRegistry(auto_describe=True)
-        names = tuple(self.labels)
         for name, spec in self.specs.items():
+            names = (*self.labels, *spec.labels)
             if spec.kind == "counter":
                 m: Any = pc.Counter(name, spec.help, names, registry=registry)
             elif spec.kind == "gauge":
@@ -85,7 +88,8 @@ class Exporter:
             else:
                 buckets = spec.buckets or pc.Histogram.DEFAULT_BUCKETS
                 m = pc.Histogram(name, spec.help, names, registry=registry, buckets=buckets)
-            self._metrics[name] = m.labels(**self.labels) if names else m
+            # With labels of its own the metric is labelled at each inc; else once, here.
+            self._metrics[name] = m.labels(**self.labels) if names and not spec.labels else m
         try:
             self._server, self._thread = pc.start_http_server(self.cfg.port, addr=self.cfg.host, registry=registry)
         except OSError as exc:
@@ -98,9 +102,11 @@ class Exporter:
         if self._metrics:
             self._metrics[name].set(value)
 
-    def inc(self, name: str, amount: float = 1.0) -> None:
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        """``labels``: the metric's own (:attr:`Metric.labels`), e.g. ``reason=...``."""
         if self._metrics and amount > 0:
-            self._metrics[name].inc(amount)
+            m = self._metrics[name]
+            (m.labels(**self.labels, **labels) if self.specs[name].labels else m).inc(amount)
 
     def observe(self, name: str, value: float) -> None:
         if self._metrics:

@@ -35,26 +35,27 @@ class RepeatedLine:
         self._pending = self._pending_times = 0
         self._last_line_at = None
 
-    def add(self, n: int = 1, **fields: object) -> None:
-        """Count ``n`` more (``fields`` fill the other placeholders of ``what``); log when the interval is over."""
+    def add(self, n: int = 1, *, exc_info: BaseException | None = None, **fields: object) -> None:
+        """Count ``n`` more (``fields`` fill the other placeholders of ``what``); log when the interval is over.
+        ``exc_info``: an exception whose traceback goes with the first line only (the summaries stay one line)."""
         self.total += n
         self._pending += n
         self._pending_times += 1
         now = time.monotonic()
         if self._last_line_at is None:  # the first occurrence: at once, as it is
-            self._emit(now, first=True, **fields)
+            self._emit(now, fields, first=True, exc_info=exc_info)
         elif now - self._last_line_at >= self.interval_s:
-            self._emit(now, first=False, **fields)
+            self._emit(now, fields, first=False)
 
     def flush(self, **fields: object) -> None:
         """Log what was counted since the last line (at the end of a phase or of the process)."""
         if self._pending and self._last_line_at is not None:
-            self._emit(time.monotonic(), first=False, **fields)
+            self._emit(time.monotonic(), fields, first=False)
 
-    def _emit(self, now: float, *, first: bool, **fields: object) -> None:
+    def _emit(self, now: float, fields: dict[str, object], *, first: bool, exc_info: BaseException | None = None) -> None:
         line = self.what.format(n=f"{self._pending:,}", **fields)
         if not first:
             line += f" ({self._pending_times} times in the last {now - (self._last_line_at or now):.0f}s)"
-        self.log.log(self.level, "%s", line)
+        self.log.log(self.level, "%s", line, exc_info=exc_info)
         self._pending = self._pending_times = 0
         self._last_line_at = now

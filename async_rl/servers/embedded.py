@@ -6,7 +6,9 @@ beyond a temporary directory, is owned by the process that started it (it receiv
 SIGKILL if that process dies, via ``PR_SET_PDEATHSIG`` on Linux) and is stopped by
 :meth:`EmbeddedServer.stop` or at interpreter exit. ``async-rl serve`` runs both for other hosts
 (a Slurm job): on a given address and port, with a password kept in the server's own 0600 config file
-(never on a command line) and written into the URLs it hands out.
+(never on a command line) and written into the URLs it hands out, Valkey with an append-only file in a data
+directory (``data_dir``: every write logged, fsync once a second), and restarts a server that died on the same
+port (:meth:`EmbeddedServer.restart`; Valkey reloads its append-only file).
 """
 
 from __future__ import annotations
@@ -102,7 +104,23 @@ class EmbeddedServer:
     proc: subprocess.Popen
     workdir: Path
     log_path: Path
+    argv: list[str] = field(default_factory=list)
+    """The command line it was started with (:meth:`restart` runs it again)."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    data_dir: Path | None = None
+    """Where Valkey keeps its append-only file (None: nothing kept)."""
     _stopped: bool = field(default=False)
+
+    def restart(self) -> None:
+        """Start it again after it died, with the same command line on the same port (so the URLs handed out stay
+        right); Valkey reloads its append-only file. :class:`StartupError` when the port was taken meanwhile."""
+        assert self.argv, "a server started by hand cannot be restarted"
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = _spawn(self.kind, self.argv, self.port, self.workdir, self.host, append_log=True)
+        self._stopped = False
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self._stopped:
@@ -139,17 +157,20 @@ def _wait_listening(proc: subprocess.Popen, port: int, log_path: Path, kind: str
     raise RuntimeError(f"embedded {kind} did not listen on port {port} within {START_TIMEOUT_S}s")
 
 
-def _spawn(kind: str, argv: list[str], port: int, workdir: Path, host: str = "127.0.0.1") -> subprocess.Popen:
+def _spawn(kind: str, argv: list[str], port: int, workdir: Path, host: str = "127.0.0.1",
+           append_log: bool = False) -> subprocess.Popen:  # fmt: skip
     if port_in_use(host, port):  # else the probe below would find the other listener and call it ours
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not append_log:  # a first start owns its fresh workdir; a restart keeps its config and log
+            shutil.rmtree(workdir, ignore_errors=True)
         flag = "--redis-port" if kind == "valkey" else "--nats-port"
         raise StartupError(f"port {port} in use on {host}: cannot start {kind} there ({flag} picks another; 0 takes "
                            "a free one)")  # fmt: skip
     log_path = workdir / f"{kind}.log"
-    with log_path.open("wb") as fh:
-        proc = subprocess.Popen(
-            argv, cwd=workdir, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig
-        )
+    with log_path.open("ab" if append_log else "wb") as fh:
+        # A process group of its own: a Ctrl-C in the terminal stops the command that owns it, which stops the server
+        # last, after the processes that use it (else NATS vanished under a learner still saying goodbye).
+        proc = subprocess.Popen(argv, cwd=workdir, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_set_pdeathsig, process_group=0)  # fmt: skip
     _wait_listening(proc, port, log_path, kind, host)
     return proc
 
@@ -170,13 +191,19 @@ def _url_host(host: str, advertise: str | None) -> str:
 
 
 def start_redis(max_memory_bytes: int | None = None, *, host: str = "127.0.0.1", port: int = 0,
-                password: str | None = None, advertise: str | None = None) -> EmbeddedServer:  # fmt: skip
-    """Start a Valkey server (no persistence) on ``host``:``port`` (0: a free port), with ``password`` when given."""
+                password: str | None = None, advertise: str | None = None,
+                data_dir: Path | None = None) -> EmbeddedServer:  # fmt: skip
+    """Start a Valkey server on ``host``:``port`` (0: a free port), with ``password`` when given. Without
+    ``data_dir`` it keeps nothing; with one, every write goes to an append-only file there (``appendfsync
+    everysec``: a crash loses at most the last second), which a start on the same directory loads back."""
     workdir = Path(tempfile.mkdtemp(prefix="async-rl-valkey-"))
     port = port or free_port()
+    persist = ["--appendonly", "no", "--dir", str(workdir)]
+    if data_dir is not None:
+        persist = ["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data_dir.resolve())]
     argv = [
-        str(valkey_binary()), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
-        "--dir", str(workdir), "--protected-mode", "no" if password else "yes",
+        str(valkey_binary()), "--port", str(port), "--bind", host, "--save", "", *persist,
+        "--protected-mode", "no" if password else "yes",
     ]  # fmt: skip
     if password:  # in a config file of the server's own, not on its command line (ps shows that to everyone)
         conf = _private_file(workdir / "valkey.conf", f"requirepass {password}\n")
@@ -186,7 +213,8 @@ def start_redis(max_memory_bytes: int | None = None, *, host: str = "127.0.0.1",
     proc = _spawn("valkey", argv, port, workdir, host)
     auth = f":{password}@" if password else ""
     url = f"redis://{auth}{_url_host(host, advertise)}:{port}/0"
-    server = EmbeddedServer("valkey", url, proc, workdir, workdir / "valkey.log")
+    server = EmbeddedServer("valkey", url, proc, workdir, workdir / "valkey.log", argv=argv, host=host, port=port,
+                            data_dir=data_dir)  # fmt: skip
     atexit.register(server.stop)
     log.info("started embedded Valkey at %s (pid %d)", redact_url(server.url), proc.pid)
     return server
@@ -206,7 +234,7 @@ def start_nats(*, host: str = "127.0.0.1", port: int = 0, user: str = "async-rl"
     proc = _spawn("nats", argv, port, workdir, host)
     auth = f"{user}:{password}@" if password else ""
     server = EmbeddedServer("nats", f"nats://{auth}{_url_host(host, advertise)}:{port}", proc, workdir,
-                            workdir / "nats.log")  # fmt: skip
+                            workdir / "nats.log", argv=argv, host=host, port=port)  # fmt: skip
     atexit.register(server.stop)
     log.info("started embedded NATS at %s (pid %d)", redact_url(server.url), proc.pid)
     return server

@@ -186,27 +186,39 @@ def redis_client(url: str, **kwargs: Any) -> Any:
 
 def describe_failure(exc: BaseException, redis_url: str | None, nats_url: str | None) -> str | None:
     """One line for a server lost at run time (what a process prints before exiting non-zero), or None when
-    ``exc`` is not a lost server."""
+    ``exc`` is not a lost server. Every failure inside ``exc`` (an exception group's, their causes) is looked at,
+    so the line names each server lost, Redis or NATS with its URL, not only the first task's complaint."""
     from redis import exceptions as rex
 
     from async_rl.servers.control import ControlPlaneLost
 
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:  # a wrapped cause (TaskFailed) still names the server
-        seen.add(id(cur))
-        if isinstance(cur, ControlPlaneLost):
-            return str(cur)
-        if isinstance(cur, (rex.ConnectionError, rex.TimeoutError)):
-            return f"lost Redis at {redact_url(redis_url)} after {REDIS_RETRIES} retries: {_why(cur)}"
-        mod = type(cur).__module__
-        if mod.startswith("nats") and any(w in type(cur).__name__ for w in ("Connection", "Closed", "NoServers",
-                                                                            "Timeout", "Stale")):  # fmt: skip
-            return f"lost NATS at {redact_url(nats_url)}: {type(cur).__name__}: {cur}"
-        cur = cur.__cause__ or cur.__context__
-    return None
+    lost: dict[str, str] = {}
+    for leaf in _leaves(exc):
+        seen: set[int] = set()
+        cur: BaseException | None = leaf
+        while cur is not None and id(cur) not in seen:  # a wrapped cause (TaskFailed) still names the server
+            seen.add(id(cur))
+            if isinstance(cur, ControlPlaneLost):
+                lost.setdefault("nats", str(cur))
+                break
+            if isinstance(cur, (rex.ConnectionError, rex.TimeoutError)):
+                lost.setdefault("redis", f"lost Redis at {redact_url(redis_url)} after {REDIS_RETRIES} retries: "
+                                         f"{_why(cur)}")  # fmt: skip
+                break
+            mod = type(cur).__module__
+            if mod.startswith("nats") and any(w in type(cur).__name__ for w in ("Connection", "Closed", "NoServers",
+                                                                                "Timeout", "Stale")):  # fmt: skip
+                lost.setdefault("nats", f"lost NATS at {redact_url(nats_url)}: {type(cur).__name__}: {cur}")
+                break
+            cur = cur.__cause__ or cur.__context__
+    return "; ".join(lost[k] for k in ("redis", "nats") if k in lost) or None
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc``, depth first (``exc`` itself when it is not a group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
 
 
 def _why(exc: BaseException) -> str:

@@ -13,8 +13,11 @@ import asyncio
 import queue
 import socket
 import ssl
+import time
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, unquote, urlparse
+
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from async_rl.process.lifecycle import redact_url
 from async_rl.run.names import Names
@@ -36,6 +39,17 @@ SOCKET_BUFFER_BYTES = 4 << 20
 PART_BYTES = 256 << 20
 # Parts per bucket: 16 GiB buckets at most, and a bounded list of keys to delete per bucket.
 MAX_PARTS = 64
+RECONNECTS = 6
+"""Fresh connections tried after a lost one (backoff 0.25, 0.5, 1, 2, 4, 4 s: ~12 s, as ``REDIS_RETRIES``)."""
+_RECONNECT_CAP_S = 4.0
+
+
+class TransportClosed(TransportError):
+    """The connection was lost (closed by the server, or it is loading its data after a restart): worth a retry."""
+
+
+class RedisLost(TransportError, RedisConnectionError):
+    """Redis stayed unreachable through every reconnect: a lost server (``describe_failure`` names it), not a bug."""
 
 
 
@@ -98,11 +112,13 @@ class RespConnection:
                 return line
             chunk = self.sock.recv(65536)
             if not chunk:
-                raise TransportError("Redis closed the connection")
+                raise TransportClosed("Redis closed the connection")
             self._pending += chunk
 
     def _reply_line(self) -> bytes:
         line = self._line()
+        if line.startswith(b"-LOADING"):  # a restarted server reading its append-only file back: not yet
+            raise TransportClosed(f"Redis is loading: {line[1:].decode(errors='replace')}")
         if line.startswith(b"-"):
             raise TransportError(f"Redis error: {line[1:].decode(errors='replace')}")
         return line
@@ -160,14 +176,14 @@ class RespConnection:
         while got < n:
             r = self.sock.recv_into(view[got:])
             if r == 0:
-                raise TransportError("Redis closed the connection mid-value")
+                raise TransportClosed("Redis closed the connection mid-value")
             if hasher is not None:
                 hasher.update(view[got : got + r])
             got += r
         while len(self._pending) < 2:
             chunk = self.sock.recv(2 - len(self._pending))
             if not chunk:
-                raise TransportError("Redis closed the connection mid-value")
+                raise TransportClosed("Redis closed the connection mid-value")
             self._pending += chunk
         del self._pending[:2]
 
@@ -202,21 +218,32 @@ class RedisTransport(BucketTransport):
             self._pool.put(None)  # connected lazily, in the worker thread
 
     def _run(self, fn):  # type: ignore[no-untyped-def]
-        """Run ``fn(connection)`` in the calling (worker) thread; a connection that failed is replaced."""
-        conn = self._pool.get()
-        ok = False
-        try:
-            if conn is None:
-                conn = RespConnection(self.url, self.timeout_s)
-            result = fn(conn)
-            ok = True
-            return result
-        except OSError as exc:
-            raise TransportError(f"Redis bucket transfer failed: {exc!r}") from exc
-        finally:
-            if not ok and conn is not None:
-                conn.close()
-            self._pool.put(conn if ok else None)
+        """Run ``fn(connection)`` in the calling (worker) thread; a connection that failed is replaced.
+
+        A lost connection (the server restarted: a pooled socket is broken, a new one refused while it loads its
+        append-only file) is retried on a fresh one with capped backoff, :data:`RECONNECTS` times (~12 s, as the
+        run's other Redis clients: ``async_rl.servers.reach``): every call here is idempotent (SET, GET, DEL)."""
+        for attempt in range(RECONNECTS + 1):
+            conn = self._pool.get()
+            ok = False
+            try:
+                if conn is None:
+                    conn = RespConnection(self.url, self.timeout_s)
+                result = fn(conn)
+                ok = True
+                return result
+            except (ConnectionError, TransportClosed) as exc:
+                if attempt == RECONNECTS:
+                    raise RedisLost(f"Redis bucket transfer failed at {redact_url(self.url)} after "
+                                         f"{RECONNECTS} reconnects: {exc!r}") from exc  # fmt: skip
+            except OSError as exc:
+                raise TransportError(f"Redis bucket transfer failed at {redact_url(self.url)}: {exc!r}") from exc
+            finally:
+                if not ok and conn is not None:
+                    conn.close()
+                self._pool.put(conn if ok else None)
+            time.sleep(min(_RECONNECT_CAP_S, 0.25 * 2**attempt))
+        raise AssertionError("unreachable")
 
     def _part_keys(self, version: int, index: int, nbytes: int) -> list[tuple[str, int, int]]:
         """(key, start, end) of each Redis value holding the bucket."""

@@ -1,5 +1,5 @@
-"""A user's mistakes end in seconds with one line naming cause and fix (issue 26), against real processes: a
-generator with another model than the run's, one on the wrong Redis database or prefix, ``status`` and ``audit`` on a
+"""A user's mistakes end in seconds with one line naming cause and fix (issues 26, 37), against real processes: a
+generator with another model or task than the run's, one on the wrong Redis database or prefix, ``status`` and ``audit`` on a
 prefix with no run, and the control plane lost for good under a running learner and generator (both exit 1)."""
 
 from __future__ import annotations
@@ -59,6 +59,16 @@ def _run_mistakes(procs: Procs, servers: ServerSet, names: Names, nats, capsys) 
                    and "refused to join: model 'small-moe'" in procs.log("learner"), 30)  # fmt: skip
     say(f"model mismatch: exit 1 in {took:.1f} s: {last}")
 
+    # Another task (issue 37): it would score every sample against the wrong answer; refused the same way.
+    procs.generator("gen-task", "task.name=reverse")
+    rc, last, took = _wait_exit(procs, "gen-task")
+    assert rc == 1, procs.tails()
+    assert f"task 'reverse' does not match run {names.prefix!r}, whose learner trains on 'copy'" in last, last
+    assert "task.name 'reverse' here, 'copy' in the run" in last and "weights version" not in procs.log("gen-task")
+    procs.wait_for("the learner's line on the task", lambda: "gen-task (" in procs.log("learner")
+                   and "refused to join: task 'reverse'" in procs.log("learner"), 30)  # fmt: skip
+    say(f"task mismatch: exit 1 in {took:.1f} s: {last}")
+
     # The right prefix in the wrong database: one line naming the database that holds it.
     procs.generator("gen-db", f"run.redis_url={_with_db(servers.redis_url, 1)}")
     rc, last, took = _wait_exit(procs, "gen-db")
@@ -113,13 +123,13 @@ def _run_mistakes(procs: Procs, servers: ServerSet, names: Names, nats, capsys) 
     assert procs.log("gen-ok").count("heartbeat failed") <= 2, procs.log("gen-ok")
 
 
-def test_serve_names_a_port_in_use(servers: ServerSet) -> None:
+def test_serve_names_a_port_in_use(servers: ServerSet, tmp_path: Path) -> None:
     from urllib.parse import urlsplit
 
     port = urlsplit(servers.redis_url).port
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "actors.commands.cli", "serve", "--no-auth", "--redis-port", str(port),
-                          "--nats-port", "0"], capture_output=True, text=True, timeout=60)  # fmt: skip
+                          "--nats-port", "0"], capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
     assert out.returncode == 1, out
     assert out.stderr.strip() == (f"async-rl serve: port {port} in use on 127.0.0.1: cannot start valkey there "
                                   "(--redis-port picks another; 0 takes a free one)"), out.stderr  # fmt: skip
@@ -135,3 +145,67 @@ def test_bench_loop_refuses_a_run_dir_that_holds_a_run(tmp_path: Path, capsys) -
     assert capsys.readouterr().err.strip() == (
         f"async-rl bench loop: --run-dir {tmp_path} holds a run already (checkpoint step-40); a benchmark starts "
         "fresh: give a new --run-dir, or leave it out for runs/bench-loop-<time>")
+
+
+class _Listener:
+    """A TCP port that counts who connects: where a role is told its Redis and NATS are, to show it never came."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _cuda_device_not_here() -> str:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return f"cuda:{count}" if count else "cuda"  # a GPU this host does not have
+
+
+def test_config_mistakes_are_refused_before_any_server(tmp_path: Path) -> None:
+    """``torch.device=cuda`` without that GPU (learner and generator) and a ``run.run_dir`` that cannot be created:
+    exit 2 with one line within seconds, and neither server is contacted (issue 37)."""
+    listener = _Listener()
+    try:
+        urls = [f"run.redis_url=redis://127.0.0.1:{listener.port}/0", f"run.nats_url=nats://127.0.0.1:{listener.port}"]
+        device = _cuda_device_not_here()
+        (tmp_path / "a-file").write_text("")
+        cases = [
+            (["generator", f"torch.device={device}", *urls],
+             f"async-rl generator: config error: torch.device={device}, but "),
+            (["learner", f"torch.device={device}", f"run.run_dir={tmp_path / 'run'}", *urls],
+             f"async-rl learner: config error: torch.device={device}, but "),
+            (["learner", "torch.device=cpu", f"run.run_dir={tmp_path / 'a-file' / 'run'}", *urls],
+             f"async-rl learner: config error: run.run_dir '{tmp_path / 'a-file' / 'run'}' cannot be created: "
+             f"'{tmp_path / 'a-file'}' is a file, not a directory (set run.run_dir to a directory this user can write)"),
+        ]  # fmt: skip
+        for argv, expected in cases:
+            t0 = time.monotonic()
+            out = subprocess.run([sys.executable, "-m", "actors.commands.cli", *argv], capture_output=True, text=True,
+                                 timeout=60, cwd=tmp_path)  # fmt: skip
+            took = time.monotonic() - t0
+            assert out.returncode == 2, out
+            assert out.stderr.startswith(expected) and len(out.stderr.strip().splitlines()) == 1, out.stderr
+            assert "(set torch.device=cpu, or run on a host with that GPU)" in out.stderr or "run_dir" in expected
+            assert listener.accepted == 0, f"{argv[0]} contacted a server before refusing"
+            print(f"\n{argv[0]} {argv[1]}: exit 2 in {took:.1f} s: {out.stderr.strip()}")
+        assert not (tmp_path / "run").exists()  # the device is refused before the run directory is made
+    finally:
+        listener.close()

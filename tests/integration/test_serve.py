@@ -29,16 +29,19 @@ def test_serve_requires_its_password_and_cleans_up(tmp_path: Path) -> None:
     import nats
     from nats.errors import NoServersError
 
-    env_file, password_file = tmp_path / "servers.env", tmp_path / "password"
+    # docs/gpus.md's own command: secrets/ does not exist yet, and is made (0700) for the password (issue 37).
+    env_file, password_file = tmp_path / "servers.env", tmp_path / "secrets" / "password"
     proc = subprocess.Popen([sys.executable, "-m", "actors.commands.cli", "serve", "--host", "127.0.0.1",
                              "--redis-port", "0", "--nats-port", "0", "--password-file", str(password_file),
-                             "--env-file", str(env_file)], stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             "--env-file", str(env_file)], stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not env_file.exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
             time.sleep(0.1)
         assert oct(env_file.stat().st_mode)[-3:] == "600" and oct(password_file.stat().st_mode)[-3:] == "600"
+        assert oct(password_file.parent.stat().st_mode)[-3:] == "700"
         password = password_file.read_text().strip()
         urls = dict(line.split("=", 1) for line in env_file.read_text().split())
         redis_url, nats_url = (urls[k].strip("'") for k in ("ASYNC_RL_REDIS_URL", "ASYNC_RL_NATS_URL"))
@@ -67,3 +70,14 @@ def test_serve_requires_its_password_and_cleans_up(tmp_path: Path) -> None:
     assert "redis://***@127.0.0.1" in (proc.stderr.read() if proc.stderr else "")
     # The password file is kept: the same password serves the run when its job is started again.
     assert password_file.read_text().strip() == password
+
+
+def test_serve_names_a_password_file_it_cannot_write(tmp_path: Path) -> None:
+    (tmp_path / "secrets").write_text("")  # a file where the password's directory should be
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "actors.commands.cli", "serve", "--redis-port", "0", "--nats-port", "0",
+                          "--password-file", "secrets/password"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 1 and time.monotonic() - t0 < 10, out
+    assert out.stderr.strip() == ("async-rl serve: cannot create the directory of --password-file 'secrets/password': "
+                                  "'secrets' is a file"), out.stderr  # fmt: skip

@@ -50,3 +50,17 @@ def test_help_descriptions_are_whole_sentences(module: str, capsys) -> None:  # 
     description = " ".join(out.split("\n\n")[1].split())
     assert description.endswith("."), description
     assert description.count("``") % 2 == 0, description
+
+
+def test_status_help_shows_its_defaults(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from actors.commands.status import main as status_main
+
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps at the terminal's width, and breaks "async-rl" there
+
+    with pytest.raises(SystemExit):
+        status_main(["--help"])
+    out = " ".join(capsys.readouterr().out.split("options:")[1].split())
+    for option, default in (("--prefix", "default async-rl"), ("--redis-url", "default $ASYNC_RL_REDIS_URL"),
+                            ("--nats-url", "default $ASYNC_RL_NATS_URL"), ("--listen-s", "default 3.0"),
+                            ("--watch", "default: one snapshot"), ("--json", "default: tables")):  # fmt: skip
+        assert default in out.split(f" {option} ")[1].split(" --")[0], (option, out)

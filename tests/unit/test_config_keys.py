@@ -73,3 +73,19 @@ def test_messages_name_the_key_the_user_sets(main, override, expected, capsys) -
     assert expected in err and len(err.strip().splitlines()) == 1, err
     for internal in ("buffer.", "engine.", "learner.", "generator."):
         assert internal not in err.split("error: ", 1)[1], err
+
+
+def test_help_keys_shows_no_sphinx_markup(capsys) -> None:  # type: ignore[no-untyped-def]
+    from async_rl.config.keys import plain
+
+    assert plain("Weights of :meth:`TorchBackend.export_weights`: ``state_dict``.") == (
+        "Weights of `TorchBackend.export_weights`: `state_dict`.")
+    assert plain("a :class:`~async_rl.tasks.base.Task` in :data:`SCHEMES`") == "a `Task` in `SCHEMES`"
+    assert plain("no role here: 1:2 and `one`") == "no role here: 1:2 and `one`"
+    for main in (learner_main, generator_main):
+        with pytest.raises(SystemExit):
+            main(["--help-keys"])
+        out = capsys.readouterr().out
+        for markup in (":data:`", ":meth:`", ":class:`", ":func:`", ":mod:`", "`~", "``"):
+            assert markup not in out, [line for line in out.splitlines() if markup in line][:3]
+    assert "(`SCHEMES`)" in out and "`async_rl.weights.peer`" in out  # the generator's transport.url

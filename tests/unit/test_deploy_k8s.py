@@ -149,10 +149,13 @@ def test_references_between_objects_resolve() -> None:
         assert len(selected) == 1, (svc["metadata"]["name"], selected)
         ports = {p["name"] for c in dict(pods)[selected[0]]["spec"]["containers"] for p in c.get("ports", [])}
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
+    claim_templates = {d["metadata"]["name"]: {t["metadata"]["name"] for t in d["spec"].get("volumeClaimTemplates", [])}
+                       for d in docs if d["kind"] == "StatefulSet"}  # fmt: skip
     for name, template in pods:
         spec = template["spec"]
         assert template["metadata"]["labels"]  # selected by their Service / ScaledObject
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        volumes.update({t: {} for t in claim_templates.get(name, ())})  # a StatefulSet's own volume per pod
         for v in volumes.values():
             if "persistentVolumeClaim" in v:
                 assert v["persistentVolumeClaim"]["claimName"] in claims, (name, v)

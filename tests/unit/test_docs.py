@@ -301,3 +301,31 @@ def test_run_blocks_run(block: Block, tmp_path: Path) -> None:
                                  timeout=60)  # fmt: skip
             assert out.returncode == 0, f"{block.where}: {shlex.join(argv)}: {out.stderr[-2000:]}"
     assert ran, f"{block.where}: nothing to run"
+
+
+ROLE_KEY = re.compile(r"(\bnot\s+)?`(\[)?(learner|generator)\.([a-z_][\w.]*(?:\.\*)?)\]?`")
+"""A key the prose names with its role (`learner.torch.lr_schedule`, `[generator.vllm]`)."""
+
+
+def test_keys_named_with_their_role_exist() -> None:
+    """Prose may say `learner.torch.lr` for "the learner's torch.lr", but the key must exist, and a TOML table is
+    never shown as `[learner.megatron]` (a role's keys are at the top of its own file: the CLI refuses that table)
+    unless the page says it is not the form to use ("`[vllm]`, not `[generator.vllm]`")."""
+    from async_rl.config.keys import config_keys
+
+    paths = {role: [k.path for k in config_keys(_config_class(role))] for role in ("learner", "generator")}
+    problems, seen = [], 0
+    for page in PAGES:
+        text = " ".join(page.read_text().split())
+        for m in ROLE_KEY.finditer(text):
+            negated, table, role, path = m.groups()
+            if path == "md":  # learner.md, a page
+                continue
+            seen += 1
+            stem = path.removesuffix(".*")
+            if not any(p == stem or p.startswith(stem + ".") for p in paths[role]):
+                problems.append(f"{page.name}: {m.group(0)}: {role} has no key {stem}")
+            elif table and not negated:
+                problems.append(f"{page.name}: {m.group(0)}: a {role}'s file has [{stem}], not [{role}.{stem}]")
+    assert seen >= 5
+    assert not problems, "\n".join(problems)

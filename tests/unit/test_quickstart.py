@@ -34,3 +34,37 @@ def test_the_recipe_reports_and_stops_on_the_exact_match_rate() -> None:
     assert HEADLINE == "reward/exact" and f"target_metric={HEADLINE}" in DEFAULT_LEARNER
     assert "torch.lr_schedule=cosine" in DEFAULT_LEARNER  # a constant lr collapses once solved (issue 21)
 
+
+
+def test_the_table_fits_80_columns_and_the_figures_are_one_line(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+    import io
+    import json
+
+    from rich.console import Console
+
+    from actors.commands.quickstart import COLUMNS, Progress, progress_table, report
+    from async_rl.metrics.sinks import METRICS_FILE
+
+    progress = Progress(step=400, version=400, reward=0.981, exact=0.912, staleness_max=4, samples_per_s=1234,
+                        dropped_stale=123, rewards=[(1.0, 1, 0.1), (2.0, 2, 0.95)])  # fmt: skip
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(progress_table(progress, 16, 1234.0))
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    for header in COLUMNS:  # whole, not cut to "samp…"
+        assert all(part in buf.getvalue() for part in header.split("\n")), header
+    assert "…" not in buf.getvalue()
+
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps({"step": s, "time": 0.0, "reward": 0.5 + s / 10,
+                                                             "reward/exact": 0.9 + s / 100}) + "\n"
+                                                 for s in range(1, 6)))  # fmt: skip
+    args = argparse.Namespace(png=None, json=tmp_path / "figures.json", target_reward=0.9, generators=2)
+    assert report(args, progress, tmp_path, 0.0, 12.0, "learner finished") == 0
+    out, err = capsys.readouterr()
+    assert err == ""  # the table, the verdict and the figures all on stdout
+    lines = out.splitlines()
+    assert max(len(line) for line in lines[:-2]) <= 80 and "version" in out  # the table (the verdict names a path)
+    assert lines[-2].startswith("reached exact-match rate 0.9 in 12s (learner finished)")
+    figures = json.loads(lines[-1])  # the JSON: its own last line
+    assert figures == json.loads(args.json.read_text()) and figures["steps"] == 5 and figures["outcome"]
