@@ -129,19 +129,21 @@ def check_device(device: str, key: str, prog: str) -> None:
 
 
 def check_run_dir(run_dir: Path, prog: str, key: str = "run.run_dir") -> None:
-    """Create ``run_dir`` now, before any server is contacted: one that cannot be (a file in the way, no permission)
-    exits 2 with one line naming the reason, instead of a traceback after the run's Redis state was touched."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not os.access(run_dir, os.W_OK | os.X_OK):
-            raise PermissionError(13, "Permission denied", str(run_dir))
-    except OSError as exc:
-        blocker = next((p for p in [run_dir, *run_dir.parents] if p.exists() and not p.is_dir()), None)
-        why = (f"{str(blocker)!r} is a file, not a directory" if blocker is not None
-               else f"{exc.strerror or exc}: {exc.filename or run_dir}")  # fmt: skip
-        print(f"{prog}: config error: {key} {str(run_dir)!r} cannot be created: {why} (set {key} to a directory "
-              "this user can write)", file=sys.stderr)  # fmt: skip
-        raise SystemExit(2) from None
+    """Check now, before any server is contacted, that ``run_dir`` is or can be made a directory this user writes:
+    one that cannot (a file in the way, no permission) exits 2 with one line naming the reason, instead of a
+    traceback after the run's Redis state was touched. Nothing is created here (a learner refused later, e.g. by
+    another learner's lease, leaves no trace)."""
+    existing = next(p for p in [run_dir, *run_dir.parents] if p.exists() or p == p.parent)
+    blocker = next((p for p in [existing, *existing.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        why = f"{str(blocker)!r} is a file, not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"Permission denied: {existing}"
+    else:
+        return
+    print(f"{prog}: config error: {key} {str(run_dir)!r} cannot be created: {why} (set {key} to a directory "
+          "this user can write)", file=sys.stderr)  # fmt: skip
+    raise SystemExit(2)
 
 
 def setup_logging(level: str, name: str) -> None:

@@ -193,7 +193,7 @@ async def test_buckets_larger_than_the_wakeup_size_arrive_whole_and_progress_rea
 ) -> None:
     """Buckets of several RECV_LOWAT_BYTES and an odd tail (the socket's low-water mark moves within a bucket and
     back for the next header), one empty; the child's progress is written off its receiving thread."""
-    from async_rl.weights.peer.transport import RECV_LOWAT_BYTES
+    from async_rl.weights.peer.pull import RECV_LOWAT_BYTES
 
     sizes = [3 * RECV_LOWAT_BYTES + 12_345, RECV_LOWAT_BYTES, 0, RECV_LOWAT_BYTES - 1, 77]
     buckets = [os.urandom(n) for n in sizes]
