@@ -16,7 +16,7 @@ from async_rl.model.config import DTYPE_NAMES, ModelConfig
 from async_rl.run.config import RunConfig
 from async_rl.run.lease import LeaseConfig
 from async_rl.servers.control import ControlPlaneConfig
-from async_rl.tasks.config import TaskConfig
+from async_rl.tasks.config import ENV_TASKS, TaskConfig
 from async_rl.tasks.user import has_held_out, is_user_task, load_task_class
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.transport import TransportConfig
@@ -249,6 +249,10 @@ class LearnerConfig:
         if self.eval.interval_versions and self.task.name == "jsonl" and not self.task.eval_jsonl_path:
             raise ValueError("learner.eval.interval_versions needs held-out prompts: with task.name=jsonl set "
                              "task.eval_jsonl_path")  # fmt: skip
+        if self.eval.interval_versions and self.task.name in ENV_TASKS:
+            raise ValueError(f"learner.eval.interval_versions needs held-out prompts: task.name {self.task.name!r} has "
+                             "no held-out split (evaluate with a text task, a task of your own with eval_prompt, or "
+                             "leave evaluation off)")  # fmt: skip
         if self.eval.interval_versions and is_user_task(self.task.name) \
                 and not has_held_out(load_task_class(self.task.name)):  # fmt: skip
             raise ValueError(f"learner.eval.interval_versions needs held-out prompts: task.name {self.task.name!r} has "
