@@ -27,7 +27,10 @@ loop)
         --json "$out/loop-$gpu-1.6b-megatron-vllm-$day.json" --run-dir /tmp/run-loop-vllm \
         > "$out/loop.log" 2>&1
     rc=$?; tail -5 "$out/loop.log"; for f in /tmp/run-loop-vllm/*.log; do echo "== $f"; tail -8 "$f"; done \
-        > "$out/loop-process-logs.txt"; tail -40 "$out/loop-process-logs.txt"; exit $rc ;;
+        > "$out/loop-process-logs.txt"
+    # each swap's breakdown (staged, paused, of which vLLM's in-place load), from the generator's log
+    grep -h "vLLM engine: version" /tmp/run-loop-vllm/generator-*.log >> "$out/loop-process-logs.txt"
+    tail -40 "$out/loop-process-logs.txt"; exit $rc ;;
 mismatch)
     timeout 580 python3 scripts/gpu/mismatch.py --model moe-107m --engines vllm,torch --json "$out/mismatch-$gpu-moe-107m-$day.json" \
         > "$out/mismatch.log" 2>&1
