@@ -11,8 +11,9 @@ Episodes speak token ids, so that the generator's sequence is exactly what the m
 environment that speaks text encodes its replies with the tokenizer of the model (the adapters in
 this package do). The episode's reward is the sum of the rewards its steps return; its ``info``
 components (last value wins) go to the learner's metrics as ``reward/<name>`` like a task's score.
-An exception from :meth:`Episode.step` (or from :meth:`EnvTask.episode`) ends that episode only:
-the generator records why (``episode/end_env_error``) and goes on.
+An exception from :meth:`Episode.step` (or from :meth:`EnvTask.episode`) ends that episode (``episode/end_env_error``)
+and costs its group, which the generator dead-letters with the error (``actors/generator/scoring.py``); the generator
+goes on.
 """
 
 from __future__ import annotations
