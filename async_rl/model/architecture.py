@@ -36,12 +36,14 @@ def architecture(name: str) -> dict[str, Any]:
     return out
 
 
-def encode(arch: dict[str, Any]) -> str:
-    return json.dumps(arch, sort_keys=True)
+def encode(facts: dict[str, Any]) -> str:
+    """A record of facts the learner writes once into its state for generators to compare at join (its model's
+    architecture here, its task's in :mod:`async_rl.tasks.identity`)."""
+    return json.dumps(facts, sort_keys=True)
 
 
 def decode(raw: bytes | str | None) -> dict[str, Any] | None:
-    """The architecture the learner wrote, or None (none written: a learner older than this check)."""
+    """A record :func:`encode` wrote, or None (none written: a learner older than the check)."""
     if not raw:
         return None
     try:

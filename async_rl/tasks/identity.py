@@ -14,11 +14,14 @@ uses (seed, shuffle, prompt templates, the held-out file) is left out: prompts t
 
 from __future__ import annotations
 
+__all__ = ["STATE_FIELD", "decode", "differences", "encode", "file_identity", "task_facts", "tokenizer_identity"]
+
 import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+from async_rl.model.architecture import decode, encode  # one JSON record of facts, as the model's
 from async_rl.tasks.config import ENV_TASKS, TaskConfig
 from async_rl.tasks.toy import TOY_TASKS
 
@@ -87,21 +90,6 @@ def task_facts(cfg: TaskConfig) -> dict[str, Any]:
         facts["task.env"] = json.dumps({"id": cfg.env.id, "args": cfg.env.args, "tool_parser": cfg.env.tool_parser},
                                        sort_keys=True)  # fmt: skip
     return facts
-
-
-def encode(facts: dict[str, Any]) -> str:
-    return json.dumps(facts, sort_keys=True)
-
-
-def decode(raw: bytes | str | None) -> dict[str, Any] | None:
-    """The facts the learner wrote, or None (none written: a learner older than this check)."""
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def differences(ours: dict[str, Any], run: dict[str, Any]) -> list[str]:
