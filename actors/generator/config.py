@@ -92,6 +92,10 @@ class VLLMEngineConfig:
     version_labels: Literal["auto", "engine", "front"] = "auto"
     """Who labels each token with its weight version: vLLM itself (engine, 0.27+), the engine's own process (front,
     any vLLM; see actors/generator/vllm_compat.py), or auto (engine where vLLM has it)."""
+    swap_load: Literal["auto", "reload"] = "auto"
+    """How a new version is loaded in place while generation is paused: auto replays vLLM's own loaders as one
+    batched copy where that is proven exact at start (CUDA, unquantized; actors/generator/vllm_load_plan.py), else
+    vLLM's layerwise reload; reload always takes the layerwise reload (slower: seconds for a 1.6B MoE)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Further vLLM ``AsyncEngineArgs`` fields, passed through (names are checked)."""
 
@@ -112,6 +116,8 @@ class VLLMEngineConfig:
             raise ValueError(f"engine.routes must be auto, native, hooks or off, got {self.routes!r}")
         if self.version_labels not in ("auto", "engine", "front"):
             raise ValueError(f"vllm.version_labels must be auto, engine or front, got {self.version_labels!r}")
+        if self.swap_load not in ("auto", "reload"):
+            raise ValueError(f"vllm.swap_load must be auto or reload, got {self.swap_load!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -16,6 +16,8 @@ Supported: vLLM **0.25.1** (the CUDA release built for torch 2.11, what the GPU 
 * **Routed experts** (``enable_return_routed_experts``, the same field on the output): 0.25.1 captures them on its
   V1 model runner (it falls back from Model Runner V2 by itself, and refuses ``VLLM_USE_V2_MODEL_RUNNER=1``);
   0.31+ captures them on Model Runner V2 only, with prefix caching on. Both: CUDA only (CPU uses worker hooks).
+* **Pausing.** Both pause through the engine core's ``pause_scheduler_async`` (:func:`pause_keep`), skipping
+  the fixed sleep ``pause_generation`` adds.
 * **Worker processes.** vLLM starts its engine core (and, with tensor parallelism, its workers) with ``fork``
   unless CUDA is already initialised in the process. A generator that touched CUDA first (or a test process)
   then dies in the child ("Cannot re-initialize CUDA in forked subprocess"), so on CUDA the engine always asks
@@ -56,6 +58,20 @@ def prepare_worker_start(on_cuda: bool) -> None:
     """Have vLLM start its processes with ``spawn`` on CUDA (module docstring); a user's explicit choice stays."""
     if on_cuda:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+async def pause_keep(llm: Any) -> None:
+    """Pause generation keeping requests and KV cache (``mode="keep"``), returning once the engine stands still.
+
+    ``AsyncLLM.pause_generation`` (0.25.1 to 0.32) adds a fixed 20 ms sleep after the engine core paused, "not
+    required for correctness" (its comment), only so that the last outputs tend to arrive first; the labellers
+    wait for those outputs themselves (:meth:`FrontLabels.set`), so the engine core's pause is called directly.
+    """
+    core = getattr(llm, "engine_core", None)
+    if core is not None and hasattr(core, "pause_scheduler_async"):
+        await core.pause_scheduler_async(mode="keep", clear_cache=False)
+    else:
+        await llm.pause_generation(mode="keep", clear_cache=False)
 
 
 def version_labels(llm: Any, mode: LabelMode, label: str) -> EngineLabels | FrontLabels:
@@ -147,4 +163,3 @@ class FrontLabels:
 
     def forget(self, rid: str) -> None:
         self.starts.pop(rid, None)
-

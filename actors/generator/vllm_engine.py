@@ -16,8 +16,9 @@
   says why vLLM's RPC cannot carry them). On the learner's host a GPU-held version skips all that: the workers map
   the learner's CUDA IPC buffers and copy it GPU to GPU themselves (:meth:`VLLMEngine.gpu_copier`, ``arl_copy_ipc``),
   checked against the signed manifest's checksums, then :meth:`VLLMEngine.stage_copied`. Either way the task
-  pauses generation (``pause_generation(mode="keep")``: requests stay in place with their KV cache), loads the
-  version in place (``arl_apply_staged``, vLLM's layerwise reload), relabels and resumes. No file is written.
+  pauses generation (``mode="keep"``: requests stay in place with their KV cache), loads the version in place
+  (``arl_apply_staged``: a replay of vLLM's loaders as one batched copy where proven exact, else vLLM's layerwise
+  reload; :mod:`.vllm_load_plan`), relabels and resumes. No file is written.
   ``last_swap_pause_s`` is the time generation stood still. New requests carry the version in their prefix-cache
   salt, so no prompt reuses KV computed by older weights.
 * **Routes** (MoE). Where vLLM's own routed-experts output works (CUDA, Model Runner V2) it is
@@ -52,7 +53,13 @@ from actors.generator.config import VLLMEngineConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.model_facts import ModelFacts, read_model_facts
 from actors.generator.vllm_args import build_vllm_args
-from actors.generator.vllm_compat import EngineLabels, FrontLabels, prepare_worker_start, version_labels
+from actors.generator.vllm_compat import (
+    EngineLabels,
+    FrontLabels,
+    pause_keep,
+    prepare_worker_start,
+    version_labels,
+)
 from actors.generator.vllm_outputs import completion
 from actors.generator.vllm_weights import CheckpointWeights
 from actors.generator.weight_handover import pack_weights
@@ -84,6 +91,8 @@ class VLLMEngine(Engine):
     """Part of the last pause spent loading in place inside the worker."""
     last_stage_error: str | None
     """Why the last staged version could not be applied (None when it was)."""
+    swap_load: str
+    """How versions load in place: 'replay' (:mod:`.vllm_load_plan`) or 'reload: <why>' (vLLM's layerwise reload)."""
     _llm: Any
     _tmp_dir: Path | None
     _version: int
@@ -129,6 +138,7 @@ class VLLMEngine(Engine):
         self.last_stage_s = 0.0
         self.last_load_s = 0.0
         self.last_stage_error = None
+        self.swap_load = "reload: not set up yet"
         try:
             self.facts = read_model_facts(self._model_dir(config))
             self._weights = CheckpointWeights(self.facts)
@@ -190,8 +200,14 @@ class VLLMEngine(Engine):
         facts = self.facts
         self._labels = version_labels(self._llm, self.config.version_labels, str(self._version))
         await self._labels.set(str(self._version))
-        infos = await self._llm.collective_rpc("arl_setup", args=(self.route_mode == "hooks", facts.num_experts,
-                                                                  str(facts.directory)))
+        infos = await self._llm.collective_rpc(
+            "arl_setup",
+            args=(self.route_mode == "hooks", facts.num_experts, str(facts.directory), self.config.swap_load),
+        )
+        loads = {info["load"] for info in infos}
+        self.swap_load = loads.pop() if len(loads) == 1 else f"reload: the ranks differ ({sorted(loads)})"
+        log.info("vLLM engine: new versions load by %s (checked in %.2f s)", self.swap_load,
+                 max(info["load_check_s"] for info in infos))  # fmt: skip
         if self.route_mode == "hooks":
             info = infos[0]
             if info["num_layers"] != len(facts.moe_layer_ids):
@@ -291,6 +307,10 @@ class VLLMEngine(Engine):
                 raise CorruptVersion(f"GPU-held weights v{manifest.version}: tensor-parallel rank {rank} copied "
                                      "other bytes than rank 0")  # fmt: skip
         self.last_stage_s = time.perf_counter() - t0
+        r = results[0]
+        log.info("vLLM engine: version %d copied from the learner's GPU in %.3f s (in the worker %.3f: copy and "
+                 "checksums %.3f, views %.3f; loads by %s)", manifest.version, self.last_stage_s, r["s"], r["copy_s"],
+                 r["prepare_s"], r["load"])  # fmt: skip
         return sums
 
     def stage_copied(self, version: int) -> None:
@@ -437,11 +457,12 @@ class VLLMEngine(Engine):
             finally:
                 packed.close()  # the worker holds its own mapping now
         t1 = time.perf_counter()
-        await llm.pause_generation(mode="keep", clear_cache=False)
-        try:
-            load_s = (await llm.collective_rpc("arl_apply_staged", args=(version,)))[0]
-            assert self._labels is not None
-            await self._labels.set(str(version))
+        assert self._labels is not None
+        await pause_keep(llm)
+        try:  # the load and the relabelling (which waits for the old weights' last outputs) go side by side
+            loads, _ = await asyncio.gather(llm.collective_rpc("arl_apply_staged", args=(version,)),
+                                            self._labels.set(str(version)))  # fmt: skip
+            load_s = loads[0]
         finally:
             await llm.resume_generation()
         t2 = time.perf_counter()

@@ -20,22 +20,24 @@ worker process that holds the model and are called from the engine with
   tensor parallelism every rank copies the whole version (vLLM's loaders cut each rank's shard from it).
 * **In-place weight loads.** A new version is mapped from the engine's anonymous memory file
   (:meth:`arl_stage_weights`, while generation goes on; :mod:`actors.generator.weight_handover`) or copied as
-  above, and
-  loaded in place from those pages (:meth:`arl_apply_staged`, while the engine is paused) through
-  vLLM's layerwise ``reload_weights``, which feeds the model's ``load_weights``. On CPU the experts
-  kernel's ``process_weights_after_loading`` (its prepack into the grouped-GEMM layout) is then run
-  again on every fused-MoE layer: vLLM runs it only on the first load, so a reload alone leaves the
-  raw new weights where the kernel expects prepacked ones (wrong expert outputs).
+  above, then loaded in place while the engine is paused (:meth:`arl_apply_staged`). On CUDA, where start-up
+  proved it exact (:mod:`actors.generator.vllm_load_plan`), the load replays vLLM's own loaders as one batched
+  copy, bound to the version's tensors while it was staged: milliseconds. Elsewhere it goes through vLLM's
+  layerwise ``reload_weights``, which feeds the model's ``load_weights``; on CPU the experts kernel's
+  ``process_weights_after_loading`` (its prepack into the grouped-GEMM layout) is then run again on every
+  fused-MoE layer: vLLM runs it only on the first load, so a reload alone leaves the raw new weights where the
+  kernel expects prepacked ones (wrong expert outputs).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from actors.generator.vllm_load_plan import LoadPlan, PlanRefused, apply, record, verify_checkpoint
 from actors.generator.weight_handover import Handle, map_weights
 from async_rl.model.moe import route_dtype
 
@@ -142,26 +144,85 @@ class _RouteCapture:
         return out
 
 
+class _Staged(NamedTuple):
+    """A version held in the worker: its tensors, their views bound to the replayed load (None: reload), and the
+    staging slot holding them (-1: none, a host version)."""
+
+    named: list[tuple[str, torch.Tensor]]
+    bound: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+    slot: int
+
+
+class _Slot(NamedTuple):
+    """GPU buffers a version copied from the learner lands in, kept for the next version of the same layout."""
+
+    layout: tuple
+    buffers: list[torch.Tensor]
+    named: list[tuple[str, torch.Tensor]]
+    bound: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+    plan: LoadPlan | None
+    """The plan ``bound`` was bound to (a re-recorded plan invalidates it)."""
+
+
+def _layout(m: Any) -> tuple:
+    """What makes two versions' buffers interchangeable: bucket sizes and every tensor's place in them."""
+    return (tuple(b.nbytes for b in m.buckets),
+            tuple((t.name, t.dtype, tuple(t.shape), tuple((p.bucket, p.offset, p.nbytes, p.dim, p.start, p.length,
+                                                           p.encoding) for p in t.pieces)) for t in m.tensors))  # fmt: skip
+
+
 class ArlWorkerExtension:
     """Methods mixed into vLLM's worker (``worker_extension_cls``); all names start with ``arl_``."""
 
-    def arl_setup(self, capture_routes: bool, num_experts: int, model_dir: str) -> dict[str, int]:
-        """Install the route capture (when asked); return what the engine needs to know."""
+    def arl_setup(self, capture_routes: bool, num_experts: int, model_dir: str, swap_load: str = "reload") -> dict:
+        """Install the route capture (when asked) and, with ``swap_load='auto'`` on CUDA, prove the replayed load
+        (:mod:`.vllm_load_plan`); return what the engine needs to know."""
         from pathlib import Path
 
         from actors.generator.model_facts import read_model_facts
         from actors.generator.vllm_weights import CheckpointWeights
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        self._arl_staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self._arl_staged: dict[int, _Staged] = {}
         self._arl_routes: _RouteCapture | None = None
         self._arl_weights = CheckpointWeights(read_model_facts(Path(model_dir)))
         self._arl_ipc: Any = None
+        self._arl_plan: LoadPlan | None = None
+        self._arl_slots: dict[int, _Slot] = {}
+        info: dict[str, Any] = {"num_layers": 0, "top_k": 0}
         if capture_routes:
             dtype = route_dtype(num_experts)
             self._arl_routes = _RouteCapture(self.model_runner, model, dtype)  # type: ignore[attr-defined]
-            return {"num_layers": self._arl_routes.num_layers, "top_k": self._arl_routes.top_k}
-        return {"num_layers": 0, "top_k": 0}
+            info.update(num_layers=self._arl_routes.num_layers, top_k=self._arl_routes.top_k)
+        info["load"], info["load_check_s"] = self._arl_prove_replay(model, Path(model_dir), swap_load)
+        return info
+
+    def _arl_prove_replay(self, model: torch.nn.Module, model_dir: Any, swap_load: str) -> tuple[str, float]:
+        """``('replay', s)`` when the recorded load reproduces what vLLM loaded from ``model_dir``, else
+        ``('reload: <why>', s)``."""
+        from vllm.platforms import current_platform
+
+        if swap_load != "auto":
+            return "reload: asked for (vllm.swap_load=reload)", 0.0
+        if not current_platform.is_cuda():
+            return "reload: the replayed load is proven on CUDA only", 0.0
+        from safetensors import safe_open
+
+        t0 = time.perf_counter()
+        device = f"cuda:{torch.cuda.current_device()}"
+
+        def chunks() -> Any:
+            for f in sorted(model_dir.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt", device=device) as st:
+                    yield dict(self._arl_weights.convert({k: st.get_tensor(k) for k in st.keys()}))
+
+        try:
+            self._arl_plan = verify_checkpoint(model, chunks())
+        except PlanRefused as exc:
+            return f"reload: {exc}", time.perf_counter() - t0
+        finally:
+            torch.cuda.empty_cache()
+        return "replay", time.perf_counter() - t0
 
     def arl_take_routes(self, external_ids: list[str]) -> dict[str, tuple[bytes, list[int], str]]:
         """Routes ``[T_run, moe_layers, top_k]`` of finished requests, by external request id, forgotten here.
@@ -173,24 +234,47 @@ class ArlWorkerExtension:
             return {}
         return {rid: (a.tobytes(), list(a.shape), a.dtype.str) for rid, a in routes.take(external_ids).items()}
 
-    def _arl_keep(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Hold ``version`` staged until :meth:`arl_apply_staged`; only the newest :data:`STAGED_KEPT` stay."""
+    def _arl_keep(self, version: int, named: list[tuple[str, torch.Tensor]], slot: int = -1) -> dict[str, Any]:
+        """Hold ``version`` staged until :meth:`arl_apply_staged` (bound to the replayed load where there is one);
+        only the newest :data:`STAGED_KEPT` stay. Returns how it will load."""
         staged = self._arl_staged
-        staged[version] = named
+        bound, how = None, "reload"
+        plan = self._arl_plan
+        if plan is not None:
+            tensors = dict(named)
+            if not plan.matches(tensors):
+                try:  # another layout of the same weights (another publisher): the loaders are recorded again
+                    plan = self._arl_plan = record(self.model_runner.get_model(), tensors)  # type: ignore[attr-defined]
+                except PlanRefused as exc:
+                    plan, how = None, f"reload: {exc}"
+            if plan is not None:
+                bound, how = plan.bind(tensors), "replay"
+        staged[version] = _Staged(named, bound, slot)
         for old in sorted(staged)[:-STAGED_KEPT]:
             del staged[old]
+        return {"load": how}
 
     def arl_stage_weights(self, handle: Handle, version: int) -> float:
         """Map a full weight version the engine packed in memory (no copy, see :mod:`.weight_handover`) and keep
         it until :meth:`arl_apply_staged`. Returns seconds spent."""
         t0 = time.perf_counter()
-        self._arl_keep(version, map_weights(handle))
+        named = map_weights(handle)
+        if self._arl_plan is not None:  # the replay copies GPU to GPU: the pages go onto the GPU now, not paused
+            device = torch.device("cuda", torch.cuda.current_device())
+            named = [(n, t.to(device)) for n, t in named]
+        self._arl_keep(version, named)
         return time.perf_counter() - t0
 
     def arl_copy_ipc(self, manifest: bytes, version: int) -> dict[str, Any]:
         """Copy a GPU-held version from the learner's buffers onto this worker's GPU and keep it staged (module
-        docstring). Returns ``{"sums": [wsum64 per bucket], "s": seconds}``, or ``{"unavailable": why}`` when this
-        worker cannot map the buffers (another host or namespace, a device it cannot see)."""
+        docstring). Returns ``{"sums": [wsum64 per bucket], "s": seconds, "copy_s", "prepare_s", "load"}``, or
+        ``{"unavailable": why}`` when this worker cannot map the buffers (another host or namespace, a device it
+        cannot see).
+
+        The copies land in one of two staging slots, the one not holding the newest staged version (a version
+        staged there before is dropped: a newer one is staged already). A slot whose last version had the same
+        layout keeps its buffers and its tensors' views, checked and bound to the replayed load: a version then
+        costs its copy and checksums only."""
         from async_rl.weights.gpu.cuda_ipc import IpcMapper, IpcUnavailable
         from async_rl.weights.gpu.reader import assemble, copy_buckets
         from async_rl.weights.manifest import Manifest
@@ -201,13 +285,31 @@ class ArlWorkerExtension:
         if self._arl_ipc is None:
             self._arl_ipc = (IpcMapper(), torch.cuda.Stream(device=device))
         mapper, stream = self._arl_ipc
+        staged = self._arl_staged
+        newest = staged[max(staged)].slot if staged else None
+        slot = 1 if newest == 0 else 0
+        for v in [v for v, item in staged.items() if item.slot == slot]:
+            del staged[v]
+        layout = _layout(m)
+        held = self._arl_slots.get(slot)
+        reuse = held is not None and held.layout == layout and held.plan is self._arl_plan
         try:
-            buffers, sums = copy_buckets(m, device, mapper, stream)
+            buffers, sums = copy_buckets(m, device, mapper, stream, into=held.buffers if reuse and held else None)
         except IpcUnavailable as exc:
             return {"unavailable": str(exc)}
-        tensors = self._arl_weights.prepare(assemble(m, buffers, device))
-        self._arl_keep(version, list(tensors.items()))
-        return {"sums": sums, "s": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        if reuse:
+            assert held is not None
+            staged[version] = _Staged(held.named, held.bound, slot)
+            how = {"load": "replay" if held.bound is not None else "reload"}
+        else:
+            self._arl_slots.pop(slot, None)
+            tensors = self._arl_weights.prepare(assemble(m, buffers, device))
+            how = self._arl_keep(version, list(tensors.items()), slot)
+            item = staged[version]
+            self._arl_slots[slot] = _Slot(layout, buffers, item.named, item.bound, self._arl_plan)
+        t2 = time.perf_counter()
+        return {"sums": sums, "s": t2 - t0, "copy_s": t1 - t0, "prepare_s": t2 - t1, **how}
 
     def arl_apply_staged(self, version: int) -> float:
         """Load the staged version in place (call with the engine paused); returns seconds spent."""
@@ -215,11 +317,15 @@ class ArlWorkerExtension:
         if version not in staged:
             raise RuntimeError(f"weight version {version} is not staged in the worker (staged: {sorted(staged)})")
         t0 = time.perf_counter()
-        named = staged.pop(version)
+        item = staged.pop(version)
         for old in [v for v in staged if v < version]:
             del staged[old]
-        self.model_runner.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
-        self._arl_reprocess_moe()
+        if item.bound is not None:
+            apply(item.bound)
+            torch.cuda.current_stream().synchronize()  # the staged buffers are freed on return
+        else:
+            self.model_runner.reload_weights(weights_iterator=iter(item.named))  # type: ignore[attr-defined]
+            self._arl_reprocess_moe()
         return time.perf_counter() - t0
 
     def arl_param_digest(self) -> dict[str, str]:

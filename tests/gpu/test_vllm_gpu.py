@@ -129,6 +129,7 @@ async def test_a_swap_matches_a_freshly_started_engine(engine: VLLMEngine, engin
                                                        model_dirs: tuple[Path, Path]) -> None:  # fmt: skip
     engine.stage_weights(_weights(model_dirs[1]), 1)
     assert await engine.wait_applied(1, SWAP_TIMEOUT_S), engine.last_stage_error
+    assert engine.swap_load == "replay"  # proven at start: the swap is a replay of vLLM's loaders
     assert await _digest(engine) == await _digest(engine_b)  # the same bytes in every parameter
     prompts = _prompts(8, seed=1)
     greedy = SamplingParams(max_new_tokens=32, temperature=0.0, mask_special_tokens=False)
@@ -137,6 +138,7 @@ async def test_a_swap_matches_a_freshly_started_engine(engine: VLLMEngine, engin
         assert np.array_equal(g[0].token_ids, w[0].token_ids)
         assert (g[0].versions == 1).all()
     _report("swap_pause_s", engine.last_swap_pause_s)
+    _report("swap_load_s", engine.last_load_s)
 
 
 @shared_loop
@@ -175,20 +177,24 @@ async def test_weights_over_cuda_ipc_arrive_bit_for_bit(engine: VLLMEngine, engi
     pub = GpuPublisher(redis, names, cfg, local_slots("cuda:0", cfg))
     try:
         await pub.clean()
+        digest_a = await _digest(engine)  # the versions test left weights A in use
         version = max(engine.version, 10) + 1  # past any version an earlier test staged
-        tensors = {k: v.cuda() for k, v in _weights(model_dirs[1]).items()}
-        assert await pub.offer(version, lambda: tensors.items())
-        await pub.wait_idle()
         copier = engine.gpu_copier()
         assert copier is not None
         reader = GpuReader(redis, names, None)
-        fetched = await reader.fetch(version, copy=copier)
-        assert fetched.tensors == {}
-        engine.stage_copied(version)
-        assert await engine.wait_applied(version, SWAP_TIMEOUT_S), engine.last_stage_error
-        assert await _digest(engine) == await _digest(engine_b)
+        # B, A, then B again: the third lands in the first's staging slot and reuses its buffers and views
+        for i, (weights, want) in enumerate([(1, await _digest(engine_b)), (0, digest_a), (1, None)]):
+            tensors = {k: v.cuda() for k, v in _weights(model_dirs[weights]).items()}
+            assert await pub.offer(version + i, lambda t=tensors: t.items())
+            await pub.wait_idle()
+            fetched = await reader.fetch(version + i, copy=copier)
+            assert fetched.tensors == {}
+            engine.stage_copied(version + i)
+            assert await engine.wait_applied(version + i, SWAP_TIMEOUT_S), engine.last_stage_error
+            assert await _digest(engine) == (want or await _digest(engine_b)), f"IPC version {i}"
         _report("ipc_copy_s", engine.last_stage_s)
         _report("ipc_swap_pause_s", engine.last_swap_pause_s)
+        _report("ipc_swap_load_s", engine.last_load_s)
     finally:
         keys = [k async for k in redis.scan_iter(match=names.all_key_pattern())]
         if keys:
@@ -216,6 +222,7 @@ async def test_tensor_parallel_2_takes_host_and_ipc_versions(model_dirs: tuple[P
         assert await tp.wait_applied(1, SWAP_TIMEOUT_S), tp.last_stage_error
         want = await _digest(fresh_b)
         assert len(want) == 2 and await _digest(tp) == want
+        assert tp.swap_load == "replay", tp.swap_load
         cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=64 << 20)
         pub = GpuPublisher(redis, names, cfg, local_slots("cuda:0", cfg))
         await pub.clean()

@@ -129,14 +129,19 @@ def _piece(buffers: list[torch.Tensor], t: ManifestTensor, i: int) -> torch.Tens
     return buffers[p.bucket][p.offset : p.offset + p.nbytes].view(dtype).view(shape)
 
 
-def copy_buckets(manifest: Manifest, device: torch.device, mapper: IpcMapper,
-                 stream: torch.cuda.Stream) -> tuple[list[torch.Tensor], list[int]]:  # fmt: skip
-    """Map, copy into fresh buffers on ``device`` and checksum every bucket of a GPU-held version on ``stream``;
-    waits once. Returns the buffers and each bucket's wsum64 (for the caller to compare with the manifest)."""
+def copy_buckets(manifest: Manifest, device: torch.device, mapper: IpcMapper, stream: torch.cuda.Stream,
+                 into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[int]]:  # fmt: skip
+    """Map, copy into buffers on ``device`` (fresh ones, or ``into``: one per bucket, of its size) and checksum
+    every bucket of a GPU-held version on ``stream``; waits once. Returns the buffers and each bucket's wsum64 (for
+    the caller to compare with the manifest)."""
     assert manifest.ipc is not None
     with torch.cuda.device(device), torch.cuda.stream(stream):
         sources = mapper.open_all(manifest.ipc.handles, [b.nbytes for b in manifest.buckets])
-        buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in manifest.buckets]
+        if into is None:
+            buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in manifest.buckets]
+        else:
+            assert [t.numel() for t in into] == [b.nbytes for b in manifest.buckets], "buffers of other sizes"
+            buffers = into
         for dst, src in zip(buffers, sources, strict=True):
             dst.copy_(src, non_blocking=True)
         sums = torch.stack([wsum64(b) for b in buffers]).cpu() if buffers else torch.zeros(0, dtype=torch.int64)
