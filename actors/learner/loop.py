@@ -310,6 +310,8 @@ class Learner(Intake):
             "reward": reward_mean, "grad_norm": result.grad_norm, "version": self.state.version,
             "step_s": time.monotonic() - t0, "train_s": train_s, "micro_batches": num_mb,
             "samples": len(samples), "groups": len(groups), "tokens": num_tokens,
+            # samples whose recorded expert routes the backend replays (0 for dense models or replay_routes off)
+            "routes_replayed_frac": sum(s.routes is not None for s in samples) / max(len(samples), 1),
             "samples_per_s": len(samples) / max(train_s, 1e-9), "tokens_per_s": num_tokens / max(train_s, 1e-9),
             "staleness_group_max": max((version_before - g.min_version for g in groups), default=0),
             "max_staleness_seen": self._max_staleness_seen,

@@ -12,7 +12,8 @@ heartbeat (weight fetch time, swap pause, tokens/s), and the logs, which stay in
 Summary fields: ``steps``, ``wall_s``, ``steps_per_s`` (after ``--warmup-steps``), ``step_interval_s`` and
 ``train_s`` (medians), ``publish_block_s`` / ``publish_block_frac`` (the loop's wait on publishing, when the
 learner reports it; else ``non_train_frac``: the share of each step interval not spent training),
-``learner_tokens_per_s``, ``generator_tokens_per_s``, ``generator_fetch_s``, ``swap_pause_ms``,
+``learner_tokens_per_s``, ``generator_tokens_per_s``, ``routes_replayed_frac`` (the least share of a step's
+samples trained with their recorded expert routes replayed), ``generator_fetch_s``, ``swap_pause_ms``,
 ``version_to_applied_s`` (seconds from the learner's snapshot of a version to a generator's swap to it: p50, p95,
 per generator; ``version_to_staged_s`` likewise to its hand-over to the engine, and ``standby_load_s`` and
 ``swap_wait_s`` for the rest: the engine's copy into its standby weights, then the wait for a step boundary),
@@ -176,6 +177,8 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
         span = steady[-1][0] - steady[0][0]
         out["learner_tokens_per_s"] = sum(tokens[1:]) / span if span > 0 else None
     out["learner_train_tokens_per_s"] = med(col("tokens_per_s")) if col("tokens_per_s") else None
+    routed = col("routes_replayed_frac")
+    out["routes_replayed_frac"] = min(routed) if routed else None
     for key in ("loss/mem_peak_gib",):
         vals = col(key, events)
         out["peak_memory_gib"] = max(vals) if vals else None
