@@ -109,6 +109,9 @@ class Engine(abc.ABC):
         each once its bucket was verified. None: this engine takes whole versions only (:meth:`stage_weights`)."""
         return None
 
+    async def ready(self) -> None:  # noqa: B027 - optional hook
+        """Finish the set-up an engine does on first use (before a GPU copy takes its short lease)."""
+
     def gpu_copier(self) -> RemoteCopy | None:
         """How a same-host GPU version reaches this engine when it copies it itself (a vLLM worker maps the
         learner's buffers): a :data:`~async_rl.weights.gpu.reader.RemoteCopy` for ``GpuReader.fetch``, after which

@@ -196,6 +196,10 @@ class VLLMEngine(Engine):
         assert self._ready is not None
         await asyncio.shield(self._ready)
 
+    async def ready(self) -> None:
+        """Set up the worker extension now (it proves the replayed load: seconds for a large model)."""
+        await self._ensure_ready()
+
     async def _setup(self) -> None:
         facts = self.facts
         self._labels = version_labels(self._llm, self.config.version_labels, str(self._version))

@@ -224,6 +224,8 @@ class _Recorder(TorchDispatchMode):
 
     def _note(self, dst: torch.Tensor, src: Any) -> None:
         name, param = self._param_of(dst)  # type: ignore[misc]
+        if dst.numel() == 0:  # a rank's empty shard (the vocabulary rows past the last on a tensor-parallel rank)
+            return
         if not isinstance(src, torch.Tensor):
             raise PlanRefused(f"a loader writes {name} from a {type(src).__name__}")
         source = self._source_of(src)

@@ -331,6 +331,8 @@ class WeightSync:
         GPU path when it is a GPU-held version this process can map."""
         if self.gpu is not None and target <= self.gpu_wanted:
             copier = self.engine.gpu_copier()  # an engine that copies GPU versions itself (vLLM's workers)
+            if copier is not None:
+                await self.engine.ready()  # its first-use set-up must not run inside the copy's short lease
             try:
                 fetched = await self.gpu.fetch(target, copy=copier)
             except IpcUnavailable as exc:

@@ -15,7 +15,7 @@ _EXPORTS = {
     "PublisherConfig": "config", "ReaderConfig": "config",
     "PublishStats": "publisher", "WeightPublisher": "publisher",
     "CorruptVersion": "reader", "FetchedVersion": "reader", "VersionUnavailable": "reader", "WeightReader": "reader",
-    "WeightsError": "reader",
+    "WeightsError": "reader", "LeaseOutlasted": "reader",
 }  # fmt: skip
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)
@@ -24,4 +24,11 @@ if TYPE_CHECKING:  # the real imports, for type checkers
     from async_rl.weights.config import PublisherConfig, ReaderConfig
     from async_rl.weights.manifest import DTYPES, BucketEntry, Manifest, ManifestError, TensorEntry, plan_buckets
     from async_rl.weights.publisher import PublishStats, WeightPublisher
-    from async_rl.weights.reader import CorruptVersion, FetchedVersion, VersionUnavailable, WeightReader, WeightsError
+    from async_rl.weights.reader import (
+        CorruptVersion,
+        FetchedVersion,
+        LeaseOutlasted,
+        VersionUnavailable,
+        WeightReader,
+        WeightsError,
+    )

@@ -73,6 +73,11 @@ class VersionUnavailable(WeightsError):
     """The version is not (or no longer) complete and visible."""
 
 
+class LeaseOutlasted(WeightsError):
+    """A copy ended after its lease: the bytes may be overwritten, so they are discarded. Transient: the version may
+    still be there (a new lease is refused if it is gone, :class:`VersionUnavailable`), so the caller tries again."""
+
+
 class CorruptVersion(WeightsError):
     """A bucket's bytes do not match the manifest (size or checksum), or the manifest is malformed."""
 

@@ -49,6 +49,7 @@ class StackedLayer(torch.nn.Module):
             elif name == "emb":
                 self.emb[:VOCAB].data.copy_(w)
                 self.emb[VOCAB:].data.fill_(0)
+                self.emb[VOCAB + PAD :].data.copy_(w[VOCAB:])  # an empty shard, from past the source's end
             done.add(name)
         return done
 

@@ -5,7 +5,8 @@
 buckets (:mod:`.cuda_ipc`, once per buffer), copies each into a fresh buffer on the reader's own GPU on a side
 stream, computes every bucket's ``wsum64`` there, and waits once. A version whose checksums differ is
 :class:`~async_rl.weights.reader.CorruptVersion`; one whose copy ended after its lease may have been
-overwritten, so it is discarded (:class:`~async_rl.weights.reader.VersionUnavailable`: the next version comes).
+overwritten, so it is discarded (:class:`~async_rl.weights.reader.LeaseOutlasted`: the caller tries again, and a
+new lease is refused if the version is gone).
 The tensors it returns are views of the reader's buffers (pieces of several ranks assembled on the GPU), ready
 for :meth:`~actors.generator.engine.Engine.stage_weights`. With ``copy`` the copy is made elsewhere (a vLLM worker
 maps the learner's buffers itself, :func:`copy_buckets` there): this process takes the lease, checks the manifest
@@ -30,7 +31,14 @@ from async_rl.weights.config import ReaderConfig
 from async_rl.weights.gpu.checksum import to_unsigned, wsum64
 from async_rl.weights.gpu.cuda_ipc import IpcMapper, IpcUnavailable, fast_thread_handoffs, host_key
 from async_rl.weights.manifest import DTYPES, Manifest, ManifestTensor
-from async_rl.weights.reader import CorruptVersion, FetchedVersion, VersionUnavailable, read_manifest, take_lease
+from async_rl.weights.reader import (
+    CorruptVersion,
+    FetchedVersion,
+    LeaseOutlasted,
+    VersionUnavailable,
+    read_manifest,
+    take_lease,
+)
 from async_rl.weights.signing import run_secret
 
 RemoteCopy = Callable[[Manifest], Awaitable[list[int]]]
@@ -94,8 +102,8 @@ class GpuReader:
                 buffers, sums = await asyncio.to_thread(self._copy, manifest)
             transfer_s = time.perf_counter() - t1
             if time.monotonic() - leased_at >= ttl_s:
-                raise VersionUnavailable(f"GPU-held weights version {version}: the copy outlasted its {ttl_s}s lease "
-                                         "(the learner may have refilled the buffers); discarded")  # fmt: skip
+                raise LeaseOutlasted(f"GPU-held weights version {version}: the copy outlasted its {ttl_s}s lease "
+                                     "(the learner may have refilled the buffers); discarded")  # fmt: skip
         finally:
             await self.redis.zrem(n.weights_gpu_readers(version), self.reader_id)
         for b, got in zip(manifest.buckets, sums, strict=True):
