@@ -80,6 +80,10 @@ class Engine(abc.ABC):
     last_swap_pause_s: float = 0.0
     """Time generation stood still for the last weight swap (engines set it when they swap)."""
 
+    def take_swap_pauses(self) -> list[float]:
+        """Seconds generation stood still at each swap since the last call (engines that keep them)."""
+        return []
+
     @property
     @abc.abstractmethod
     def version(self) -> int:

@@ -111,6 +111,8 @@ class VLLMEngine(Engine):
     _weights: CheckpointWeights
     _swaps: list[tuple[int, float]]
     """(version, unix time) of swaps not yet taken by :meth:`take_swaps`."""
+    _pauses: list[float]
+    """Pause seconds of swaps not yet taken by :meth:`take_swap_pauses`."""
     _labels: EngineLabels | FrontLabels | None
     """Who labels engine steps with weight versions (:mod:`.vllm_compat`); set up on first use."""
     _logit_bias: dict[int, float]
@@ -134,6 +136,7 @@ class VLLMEngine(Engine):
         self._closed = False
         self._labels = None
         self._swaps = []
+        self._pauses = []
         self.last_swap_pause_s = 0.0
         self.last_stage_s = 0.0
         self.last_load_s = 0.0
@@ -289,6 +292,10 @@ class VLLMEngine(Engine):
     def take_swaps(self) -> list[tuple[int, float]]:
         swaps, self._swaps = self._swaps, []
         return swaps
+
+    def take_swap_pauses(self) -> list[float]:
+        pauses, self._pauses = self._pauses, []
+        return pauses
 
     def gpu_copier(self) -> RemoteCopy | None:
         """On CUDA the worker copies a same-host GPU version itself (:meth:`_copy_gpu_version`); None elsewhere."""
@@ -473,6 +480,7 @@ class VLLMEngine(Engine):
         if tensors is not None:
             self.last_stage_s = t1 - t0
         self.last_swap_pause_s, self.last_load_s = t2 - t1, float(load_s)
+        self._pauses = [*self._pauses[-63:], t2 - t1]
         self._version = version
         self._swaps = [*self._swaps[-63:], (version, time.time())]
         if self.prefix_caching:

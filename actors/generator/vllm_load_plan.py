@@ -34,6 +34,11 @@ Geometry = tuple[tuple[int, ...], tuple[int, ...], int]
 """``(size, stride, storage_offset)`` of a view."""
 
 
+MERGE_CANDIDATES = 8
+"""Steps tried from each copy when merging (:func:`coalesced`): the next few copies of its group in destination
+order (a layer's gate and up halves interleave in ``w13``, so the step to the next like copy is the second)."""
+
+
 class PlanRefused(Exception):
     """A loader did something a replay cannot repeat (the message says what); the engine keeps the slow load."""
 
@@ -85,7 +90,7 @@ class LoadPlan:
         return True
 
     def bind(self, sources: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``(destinations, sources)`` views for :func:`apply`; ``sources`` must :meth:`match`."""
+        """``(destinations, sources)`` views for :func:`apply`, :func:`coalesced`; ``sources`` must :meth:`match`."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         params = self.params
@@ -94,11 +99,54 @@ class LoadPlan:
             size, stride, offset = s.dst
             dsts.append(params[s.param].as_strided(size, stride, offset))
             srcs.append(src.as_strided(s.src_size, s.src_stride, src.storage_offset() + s.src_rel))
-        return dsts, srcs
+        return coalesced(dsts, srcs)
 
     def num_bytes(self) -> int:
         """Bytes one replay writes."""
         return sum(int(torch.Size(s.dst[0]).numel()) * self.params[s.param].element_size() for s in self.steps)
+
+
+def coalesced(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The same copies in fewer, larger ones: copies of one shape and strides between the same two storages whose
+    offsets step by the same amounts on both sides (the experts of a layer, from a bucket that holds them in order:
+    ``w13[e, :I] <- gate_e`` for every ``e``) become one copy of views with a leading dimension of that step."""
+    groups: dict[tuple, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    for d, s in zip(dsts, srcs, strict=True):
+        key = (d.untyped_storage().data_ptr(), s.untyped_storage().data_ptr(), d.device, s.device, d.dtype, s.dtype,
+               tuple(d.shape), d.stride(), s.stride())  # fmt: skip
+        groups.setdefault(key, []).append((int(d.storage_offset()), int(s.storage_offset()), d, s))
+    out_d: list[torch.Tensor] = []
+    out_s: list[torch.Tensor] = []
+    for items in groups.values():
+        d0 = items[0][2]
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(d0.shape, d0.stride(), strict=True))
+        left = {(d, s): (dv, sv) for d, s, dv, sv in items}
+        order = sorted(left)
+        for first in order:
+            if first not in left:
+                continue
+            run = [first]  # the longest even run from ``first``, trying the steps to the next few copies
+            later = [k for k in order if k[0] > first[0] and k in left][:MERGE_CANDIDATES]
+            for cand in later:
+                step = (cand[0] - first[0], cand[1] - first[1])
+                if step[0] < extent or step[1] < 0:  # destinations would overlap; no negative strides
+                    continue
+                trial = [first]
+                while (first[0] + len(trial) * step[0], first[1] + len(trial) * step[1]) in left:
+                    trial.append((first[0] + len(trial) * step[0], first[1] + len(trial) * step[1]))
+                if len(trial) > len(run):
+                    run = trial
+            dv, sv = left[first]
+            for k in run:
+                del left[k]
+            if len(run) == 1:
+                out_d.append(dv)
+                out_s.append(sv)
+                continue
+            sd, ss = run[1][0] - run[0][0], run[1][1] - run[0][1]
+            out_d.append(dv.as_strided((len(run), *dv.shape), (sd, *dv.stride()), first[0]))
+            out_s.append(sv.as_strided((len(run), *sv.shape), (ss, *sv.stride()), first[1]))
+    return out_d, out_s
 
 
 def apply(bound: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:

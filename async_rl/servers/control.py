@@ -105,6 +105,9 @@ class Heartbeat:
     standby weights (engines with a standby: the torch engine)."""
     swap_wait_s: list[float] = field(default_factory=list)
     """For each of those versions: seconds from loaded in the standby to swapped in (the next step boundary)."""
+    swap_pauses_ms: list[float] = field(default_factory=list)
+    """For each swap since the previous heartbeat, milliseconds generation stood still (engines that report each:
+    vLLM's); ``swap_pause_ms`` is the last one."""
     sent_at: float = field(default_factory=time.time)
     """Unix time of this heartbeat."""
 

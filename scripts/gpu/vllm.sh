@@ -4,7 +4,8 @@
 #   source scripts/gpu/setup.sh && source scripts/gpu/vllm_unpack.sh && scripts/gpu/vllm.sh PART OUT
 # PART: tests   tests/gpu/test_vllm_gpu.py (TP=2 where two GPUs are visible), figures in OUT/vllm-gpu-report.json
 #       generate  bench generate on moe-1.6b: torch engine, the project's vLLM engine, plain LLM.generate
-#       loop      bench loop on moe-1.6b: Megatron learner on GPU 0, a vLLM generator on GPU 1
+#       loop      bench loop on moe-1.6b: Megatron learner on GPU 0, a vLLM generator on GPU 1 (checkpoints every
+#                 LOOP_CHECKPOINT_EVERY=100 steps: a Megatron checkpoint of this model takes ~40 s, the generator idles)
 #       mismatch  scripts/gpu/mismatch.py on moe-107m: each engine's logprobs against each learner backend's
 set -uo pipefail
 part=${1:?usage: vllm.sh PART OUT}
@@ -22,8 +23,8 @@ generate)
         --json "$out/generate-$gpu-moe-1.6b-$day.json" > "$out/generate.log" 2>&1
     rc=$?; tail -30 "$out/generate.log"; exit $rc ;;
 loop)
-    timeout ${LOOP_TIMEOUT:-590} python3 -m actors.commands bench loop --model moe-1.6b --device cuda --backend megatron --steps ${LOOP_STEPS:-40} \
-        --max-minutes ${LOOP_MINUTES:-8} --generators 1 --generator-engine vllm --generator-devices cuda:1 --learner megatron.lr=1e-5 \
+    timeout ${LOOP_TIMEOUT:-590} python3 -m actors.commands bench loop --model moe-1.6b --device cuda --backend megatron --steps ${LOOP_STEPS:-50} \
+        --max-minutes ${LOOP_MINUTES:-8} --generators 1 --generator-engine vllm --generator-devices cuda:1 --learner megatron.lr=1e-5 checkpoint.every=${LOOP_CHECKPOINT_EVERY:-100} \
         --json "$out/loop-$gpu-1.6b-megatron-vllm-$day.json" --run-dir /tmp/run-loop-vllm \
         > "$out/loop.log" 2>&1
     rc=$?; tail -5 "$out/loop.log"; for f in /tmp/run-loop-vllm/*.log; do echo "== $f"; tail -8 "$f"; done \

@@ -90,7 +90,11 @@ def test_replay_equals_the_loaders_and_recording_writes_nothing(tp_rank: int | N
 
     version = packed(checkpoint(1))
     assert plan.matches(version)  # the same shapes, strides and dtypes, another storage
-    apply(plan.bind(version))
+    bound = plan.bind(version)
+    # one bucket holding each expert's gate, up, down in turn: the experts' copies merge, one per kind; k and v,
+    # next to each other on both sides, merge too
+    assert len(bound[0]) == len(plan.steps) - 3 * (E - 1) - 1
+    apply(bound)
     reference = StackedLayer(tp_rank)
     reference.load_weights(checkpoint(1).items())
     for name, p in model.named_parameters():
@@ -181,4 +185,19 @@ def test_checkpoint_in_several_files_merges_into_one_plan() -> None:
     apply(plan.bind(checkpoint(2)))
     reference = StackedLayer()
     reference.load_weights(checkpoint(2).items())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_merged_copies_stay_exact_in_any_bucket_order(seed: int) -> None:
+    model = StackedLayer()
+    model.load_weights(checkpoint(0).items())
+    plan = verify_checkpoint(model, [checkpoint(0)])
+    ckpt = checkpoint(3)
+    order = torch.randperm(len(ckpt), generator=torch.Generator().manual_seed(seed)).tolist()
+    names = list(ckpt)
+    version = packed({names[i]: ckpt[names[i]] for i in order})  # the same tensors, laid out in another order
+    apply(plan.bind(version))
+    reference = StackedLayer()
+    reference.load_weights(ckpt.items())
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))

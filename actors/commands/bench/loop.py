@@ -13,7 +13,7 @@ Summary fields: ``steps``, ``wall_s``, ``steps_per_s`` (after ``--warmup-steps``
 ``train_s`` (medians), ``publish_block_s`` / ``publish_block_frac`` (the loop's wait on publishing, when the
 learner reports it; else ``non_train_frac``: the share of each step interval not spent training),
 ``learner_tokens_per_s``, ``generator_tokens_per_s``, ``routes_replayed_frac`` (the least share of a step's
-samples trained with their recorded expert routes replayed), ``generator_fetch_s``, ``swap_pause_ms``,
+samples trained with their recorded expert routes replayed), ``generator_fetch_s``, ``swap_pause_ms`` (median over swaps),
 ``version_to_applied_s`` (seconds from the learner's snapshot of a version to a generator's swap to it: p50, p95,
 per generator; ``version_to_staged_s`` likewise to its hand-over to the engine, and ``standby_load_s`` and
 ``swap_wait_s`` for the rest: the engine's copy into its standby weights, then the wait for a step boundary),
@@ -209,7 +209,8 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
     out["tokens_by_staleness"] = {k: int(v) for k, v in sorted(hist.items(), key=lambda kv: (len(kv[0]), kv[0]))}
     live = [b for b in beats if b.version >= 0]
     fetch = [b.fetch_s for b in live if b.fetch_s > 0]
-    pause = [b.swap_pause_ms for b in live if b.swap_pause_ms > 0]
+    pause = [p for b in live for p in b.swap_pauses_ms]  # every swap's, where the engine reports each
+    pause = pause or [b.swap_pause_ms for b in live if b.swap_pause_ms > 0]  # else the last one at each beat
     out["generator_fetch_s"] = med(fetch) if fetch else None
     out["swap_pause_ms"] = med(pause) if pause else None
     latest: dict[str, Any] = {}
