@@ -45,9 +45,6 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
         p.error("--n must be >= 1")
     if not args.run.exists():
         p.error(f"RUN_DIR_OR_CONFIG {str(args.run)!r} does not exist")
-    if args.run.is_dir() and not resolved_config_path(args.run, "learner").is_file():
-        p.error(f"{str(args.run)!r} has no {resolved_config_path(args.run, 'learner').name}: it is not a learner's "
-                "run directory")  # fmt: skip
     return args
 
 
@@ -99,6 +96,10 @@ def main(argv: list[str] | None = None, prog: str = "async-rl samples") -> int:
     from async_rl.process.lifecycle import redact_url
     from async_rl.servers.reach import Unreachable, probe_redis
 
+    if args.run.is_dir() and not resolved_config_path(args.run, "learner").is_file():
+        print(f"{prog}: {str(args.run)!r} has no {resolved_config_path(args.run, 'learner').name}: not the run "
+              "directory of a learner that started (its run.run_dir)", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         cfg = load_run_config(args.run)
     except (ConfigError, ValueError) as exc:

@@ -1,7 +1,8 @@
 """A few of a step's trained samples as text, every ``samples_table.every_steps`` steps (``learner.samples_table``).
 
 The rows ride in the step's metrics row under :data:`~async_rl.metrics.sinks.SAMPLES_KEY`, so they are written when
-the step is committed, with its metrics, exactly once across restarts (:mod:`actors.learner.loop`): to
+the step is committed, with its metrics, once across restarts (:mod:`actors.learner.loop`; a learner killed between
+the two writes of one step repeats that step's sample lines): to
 ``<run_dir>/samples.jsonl`` and as the wandb table ``samples_table`` (:class:`~async_rl.metrics.sinks.MetricsLogger`).
 Each row: the step and the learner's version after it, the prompt and the response as the model read and wrote them
 (:mod:`async_rl.tasks.transcript`: special tokens shown, an environment's turns marked), the reward and its

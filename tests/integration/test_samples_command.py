@@ -136,6 +136,11 @@ def test_samples_says_what_is_wrong_in_one_line(servers: ServerSet, names: Names
     assert main([str(run_dir), "--redis-url", "redis://127.0.0.1:1/0"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("async-rl samples: cannot reach Redis at redis://127.0.0.1:1/0") and "\n" not in err
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    assert main([str(empty)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"async-rl samples: {str(empty)!r} has no learner-config.json") and "\n" not in err
     other = Names(prefix=f"{names.prefix}-nope")
     toml = tmp_path / "other.toml"
     toml.write_text(f'[run]\nprefix = "{other.prefix}"\nredis_url = "{servers.redis_url}"\n[task]\nname = "copy"\n')
