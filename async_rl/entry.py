@@ -155,8 +155,13 @@ def setup_logging(level: str, name: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def resolved_config_path(run_dir: Path, name: str) -> Path:
+    """Where :func:`save_resolved_config` keeps role ``name``'s config in a run directory (``learner-config.json``)."""
+    return run_dir / f"{name}-config.json"
+
+
 def save_resolved_config(cfg: Any, run_dir: Path, name: str) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / f"{name}-config.json"
+    path = resolved_config_path(run_dir, name)
     path.write_text(json.dumps(public_config(cfg), indent=2))
     return path

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generator": ("actors.generator.main:main", "turn prompts into scored groups (start any number, any time)"),
     "status": ("actors.commands.status:main", "live view of generators, streams, versions and staleness"),
     "audit": ("actors.commands.audit:main", "check that every issued prompt has a fate (trained, dropped, dead letter)"),
+    "samples": ("actors.commands.samples:main", "the newest groups of a run's rollout stream as text (prompt, responses, rewards)"),
     "export": ("actors.commands.export:main", "write a checkpoint as a Hugging Face model directory (transformers, vLLM)"),
     "init-model": ("actors.commands.init_model:main", "write a random-init preset and an offline tokenizer as a HF directory"),
     "acl": ("actors.commands.acl:main", "write a Valkey/Redis ACL file: least privilege per role of a run"),

@@ -8,6 +8,7 @@ from typing import Literal
 from actors.learner.evaluation import EvalConfig
 from actors.learner.lr_schedule import LR_SCHEDULES, LrSchedule
 from actors.learner.megatron.config import MegatronConfig
+from actors.learner.samples_table import SamplesTableConfig
 from async_rl.algorithms import AlgorithmConfig
 from async_rl.metrics.prometheus import PrometheusConfig
 from async_rl.metrics.scaling import ScalingConfig
@@ -198,6 +199,13 @@ class LearnerConfig:
     """NATS connection settings."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """wandb and JSONL metrics."""
+    samples_table: SamplesTableConfig = field(default_factory=SamplesTableConfig)
+    """A few trained samples as text every ``every_steps`` steps: samples.jsonl and a wandb table."""
+    entropy_metric: bool = True
+    """Report the policy's mean per-token entropy over the trained tokens every step (``loss/entropy_mean``), from
+    the logits the loss reads: in the same pass on CUDA (the fused kernels) and with no gradient unless
+    ``algorithm.loss.entropy_coef`` > 0. False saves its pass over the logits where they are not fused (the CPU,
+    Megatron with tensor parallelism)."""
     prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
     """Prometheus /metrics endpoint (off while prometheus.port is 0)."""
     scaling: ScalingConfig = field(default_factory=ScalingConfig)

@@ -50,12 +50,13 @@ from actors.learner.config import LearnerConfig
 from actors.learner.evaluation import Evaluator
 from actors.learner.intake import Intake
 from actors.learner.publishing import Publishing, publish_metrics
-from actors.learner.samples import build_samples
+from actors.learner.samples import build_samples, response_metrics
+from actors.learner.samples_table import table_rows
 from actors.learner.signals import LearnerSignals
 from async_rl.algorithms import make_loss_fn
 from async_rl.algorithms.batch import MicroBatch, TrainSample
 from async_rl.entry import public_config
-from async_rl.metrics.sinks import MetricsLogger, read_metrics
+from async_rl.metrics.sinks import SAMPLES_KEY, MetricsLogger, read_metrics
 from async_rl.model.architecture import STATE_FIELD as ARCH_FIELD
 from async_rl.model.architecture import architecture
 from async_rl.model.architecture import encode as encode_architecture
@@ -320,7 +321,7 @@ class Learner(Intake):
             "weights/visible_version": self.state.published_version,
             "weights/versions_skipped": self._publishing.versions_skipped,
             "weights/publish_block_s": self._last_publish_s or 0.0,
-            **publish_metrics(committed),
+            **publish_metrics(committed), **response_metrics(groups),
             **{f"buffer/{k}": v for k, v in counters.items()},
             **self._signals.fleet_metrics(),
             **evaluated,
@@ -328,6 +329,9 @@ class Learner(Intake):
         # Every component any sample reports (a sample without one counts 0: e.g. an episode that never opened).
         for key in dict.fromkeys(k for g in groups for s in g.samples for k in s.reward_info):
             metrics[f"reward/{key}"] = float(np.mean([s.reward_info.get(key, 0.0) for g in groups for s in g.samples]))
+        if cfg.samples_table.due(step):  # written with the step's row, at its commit (exactly once)
+            metrics[SAMPLES_KEY] = table_rows(groups, self._task, cfg.algorithm, version=self.state.version,
+                                              num_samples=cfg.samples_table.num_samples)  # fmt: skip
         if cfg.target_reward:  # the early-stopping window, kept in the checkpoint like the reward history
             self.state.extra["target_history"] = [*self.state.extra.get("target_history", [])[-cfg.target_window:],
                                                   target_value(metrics, cfg.target_metric)]  # fmt: skip
@@ -398,7 +402,7 @@ class Learner(Intake):
                 mb.reference_logprobs = backend.forward_logprobs(mb, replay_routes=False, reference=True).logprobs
         loss_fn = make_loss_fn(cfg.algorithm, learner_version=self.state.version)
         result = backend.train_step(mbs, loss_fn, replay_routes=cfg.replay_routes,
-                                    with_entropy=cfg.algorithm.needs_entropy)  # fmt: skip
+                                    with_entropy=cfg.algorithm.needs_entropy or cfg.entropy_metric)  # fmt: skip
         return result, len(mbs)
 
     async def _commit(self) -> None:

@@ -1,6 +1,8 @@
 """A batch of rollout groups -> training samples: advantages per group, one sample per non-empty response.
 
 An episode's environment tokens stay in the sequence and leave the loss through the sample's loss mask.
+:func:`response_metrics` says how long the batch's responses are (a policy that rambles into ``max_new_tokens``, or
+collapses to a few tokens, shows there before it shows in the reward).
 
 Shared by the learner loop and what drives the same training outside it (the staleness simulation, ``bench
 publish``), so that they train on exactly what the learner would.
@@ -40,3 +42,17 @@ def build_samples(
             ))  # fmt: skip
     metrics["empty_responses_count"] = float(num_empty)
     return samples, metrics, [float(x) for r in rewards for x in r]
+
+
+def response_metrics(groups: list[GroupRecord]) -> dict[str, float]:
+    """Lengths of every response of ``groups`` in tokens (an episode's: the model's and the environment's together,
+    what ``episode.max_tokens`` bounds): mean, max, median and 90th percentile, and the fraction cut at the token
+    budget (``finish_reason`` ``length``)."""
+    lengths = np.array([s.response_ids.size for g in groups for s in g.samples], dtype=np.float64)
+    if not lengths.size:
+        return {}
+    truncated = sum(s.finish_reason == "length" for g in groups for s in g.samples)
+    return {"response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+            "response/length_p50": float(np.percentile(lengths, 50)),
+            "response/length_p90": float(np.percentile(lengths, 90)),
+            "response/truncated_frac": truncated / lengths.size}  # fmt: skip

@@ -64,6 +64,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 ent[s:e] = z.exp().mul_(z).sum(-1).neg_()
             del z
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.set_materialize_grads(False)  # an entropy only reported (detached) passes no gradient: no entropy term
         ctx.masked_ids, ctx.mask, ctx.fused = masked_ids, mask, fused
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         if not with_entropy:

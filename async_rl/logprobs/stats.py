@@ -156,6 +156,7 @@ class _FusedStats(torch.autograd.Function):
                 temperature: float, with_entropy: bool):  # fmt: skip
         lp, lse, ent = fused_forward(logits, targets, mask, temperature, with_entropy)
         ctx.save_for_backward(logits, targets, mask, lse, ent)
+        ctx.set_materialize_grads(False)  # an entropy only reported (detached) passes no gradient: no entropy term
         ctx.temperature, ctx.with_entropy = temperature, with_entropy
         if not with_entropy:
             ctx.mark_non_differentiable(ent)

@@ -1,5 +1,9 @@
 """Metrics sinks: wandb (online when a key is configured, offline otherwise, never a prompt)
-and a JSONL file beside the run, so every run keeps its numbers even without wandb."""
+and a JSONL file beside the run, so every run keeps its numbers even without wandb.
+
+A step's row may carry samples as text under :data:`SAMPLES_KEY` (a list of dicts, the learner's samples table): they
+go to ``<run_dir>/samples.jsonl``, one line per sample with its step, and to wandb as the table ``samples_table``,
+never into ``metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -34,11 +38,16 @@ class MetricsConfig:
 
 METRICS_FILE = "metrics.jsonl"
 """Name of the per-step metrics file :class:`MetricsLogger` appends to in the run directory."""
+SAMPLES_KEY = "samples_table"
+"""Key of a row's samples (a list of dicts), and the name of their wandb table (``samples`` is the row's count)."""
+SAMPLES_FILE = "samples.jsonl"
+"""Where :class:`MetricsLogger` appends the samples of the rows that carry them, one line per sample."""
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The rows :class:`MetricsLogger` wrote under ``run_dir`` (a line cut short by a crash is skipped)."""
-    path = run_dir / METRICS_FILE
+def read_metrics(run_dir: Path, file: str = METRICS_FILE) -> list[dict[str, Any]]:
+    """The rows :class:`MetricsLogger` wrote under ``run_dir`` (a line cut short by a crash is skipped); ``file``
+    :data:`SAMPLES_FILE`: its samples."""
+    path = run_dir / file
     if not path.is_file():
         return []
     rows = []
@@ -97,6 +106,8 @@ class MetricsLogger:
     run_dir: Path
     _run: Any
     _jsonl: Any
+    _samples: Any
+    """``samples.jsonl``, opened at the first row that carries samples."""
     wandb_mode: str
     """The mode wandb runs in ('online', 'offline'), or 'disabled'."""
 
@@ -105,6 +116,7 @@ class MetricsLogger:
         self.run_dir = run_dir
         self._run = None
         self._jsonl = None
+        self._samples = None
         self.wandb_mode = "disabled"
         run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.jsonl:
@@ -130,6 +142,9 @@ class MetricsLogger:
                 self._run = None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        samples = metrics.get(SAMPLES_KEY)
+        if isinstance(samples, list) and samples:
+            self._log_samples(step, samples)
         clean: dict[str, Any] = {}
         for k, v in metrics.items():
             if _finite(v):
@@ -151,10 +166,31 @@ class MetricsLogger:
                         continue
             self._run.log(flat, step=step)
 
+    def _log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """A row's samples: one line each in ``samples.jsonl`` (with ``jsonl``), and a wandb table of them (the
+        columns are the first sample's keys; dict values shown as JSON)."""
+        if self.cfg.jsonl:
+            if self._samples is None:
+                self._samples = (self.run_dir / SAMPLES_FILE).open("a", buffering=1)
+            self._samples.write("".join(json.dumps({"step": step, **s}) + "\n" for s in samples))
+        if self._run is not None:
+            try:
+                import wandb
+
+                columns: list[str | int] = ["step", *samples[0]]
+                data = [[step, *(json.dumps(v) if isinstance(v, (dict, list)) else v for v in
+                                 (s.get(str(c)) for c in columns[1:]))] for s in samples]  # fmt: skip
+                self._run.log({SAMPLES_KEY: wandb.Table(columns=columns, data=data)}, step=step)
+            except Exception as exc:  # a metrics sink must never take training down
+                log.warning("wandb samples table of step %d not logged: %r", step, exc)
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        if self._samples is not None:
+            self._samples.close()
+            self._samples = None
         if self._run is not None:
             run_dir = getattr(self._run, "dir", "") or ""
             try:

@@ -1,5 +1,5 @@
 """Tasks and rewards: the :class:`Task` interface, built-in toy tasks, JSONL prompts, user rewards, and a user's own
-task or environment named by ``task.name=file.py:Class`` (:mod:`.user`).
+task or environment named by ``task.name=file.py:Class`` (:mod:`.user`); a group shown as text (:mod:`.transcript`).
 
 May import: model, wire, process.
 """

@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from actors.commands.status import main as status_main
+from async_rl.metrics.sinks import SAMPLES_FILE, read_metrics
 from async_rl.run.names import Names
 from async_rl.servers.embedded import ServerSet
 from async_rl.wire import decode_group, decode_prompt
@@ -109,19 +110,28 @@ def test_generator_sigkill_loses_no_prompt(procs: Procs, servers: ServerSet, nam
 
 
 def test_learner_restart_trains_each_group_once(procs: Procs) -> None:
-    procs.learner("max_steps=12")
+    procs.learner("max_steps=12", "samples_table.every_steps=1")
     procs.generator("gen-0")
     procs.generator("gen-1")
     procs.wait_for("4 learner steps", lambda: _steps(procs) >= 4, timeout_s=240)
     procs.stop("learner", signal.SIGKILL)
     killed_at = _steps(procs)
-    procs.learner("max_steps=12", name="learner-2")
+    procs.learner("max_steps=12", "samples_table.every_steps=1", name="learner-2")
     procs.wait_for("restarted learner done", lambda: procs.procs["learner-2"].poll() is not None, timeout_s=300)
     assert procs.procs["learner-2"].returncode == 0, procs.tails()
     assert "resumed from checkpoint" in procs.log("learner-2")
     step, trained = _seen_groups(procs.run_dir)
     # 12 committed steps of 8 distinct groups: a group trained twice would make the set smaller.
     assert step == 12 and len(trained) == 12 * 8, (killed_at, step, len(trained))
+    # Every step's row once, with the policy's entropy and the response lengths; its samples table written with it
+    # (4 samples a step, text decoded by the task; a kill between the two writes may repeat one step's lines).
+    rows = procs.metrics()
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert all(r["loss/entropy_mean"] > 0 and r["response/length_max"] >= r["response/length_mean"] > 0
+               and 0 <= r["response/truncated_frac"] <= 1 for r in rows), rows[-1]  # fmt: skip
+    samples = read_metrics(procs.run_dir, SAMPLES_FILE)
+    assert len({(s["step"], s["group_id"], s["sample"]) for s in samples}) == 12 * 4
+    assert all(s["prompt"].startswith("<bos>") and s["prompt"].endswith("=") for s in samples), samples[0]
 
 
 def test_generator_joining_mid_run_starts_on_newest_weights(procs: Procs, servers: ServerSet, names: Names) -> None:

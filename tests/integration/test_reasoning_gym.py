@@ -1,7 +1,7 @@
 """A reasoning-gym dataset trained by the quickstart's processes (a learner, a generator; real servers): the prompts
 are the dataset's questions in a byte-level tokenizer's ids, rendered by its chat template (the learner logs the
 first), the dataset's own scorer's reward reaches the learner's metrics, and held-out evaluation rounds every 2
-versions reach metrics.jsonl, wandb (offline) and ``status``."""
+versions reach metrics.jsonl, wandb (offline) and ``status``; the samples table shows what the model read and wrote."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from actors.commands.status import snapshot
+from async_rl.metrics.sinks import SAMPLES_FILE, read_metrics
 from async_rl.model.presets import save_pretrained_dir
 from async_rl.run.config import RunConfig
 from async_rl.run.names import Names
@@ -38,7 +39,8 @@ def test_reasoning_gym_trains_with_its_scorer_and_is_evaluated_every_n_versions(
     model_dir = save_pretrained_dir(tmp_path / "model", preset="tiny-moe", tokenizer="bytes")
     procs.learner(f"max_steps={STEPS}", "batch_groups=4", "sampling.n=4", f"model.name={model_dir}",
                   f"eval.interval_versions={EVAL_EVERY}", f"eval.num_prompts={EVAL_PROMPTS}", "eval.n=2",
-                  "metrics.wandb_mode=offline", "publisher.background=false", *rg_args(model_dir))  # fmt: skip
+                  "metrics.wandb_mode=offline", "publisher.background=false", "samples_table.every_steps=3",
+                  *rg_args(model_dir))  # fmt: skip
     procs.generator("gen-0", f"torch.model.name={model_dir}", *rg_args(model_dir))
     procs.wait_for(f"{STEPS} learner steps", lambda: procs.procs["learner"].poll() is not None, timeout_s=300)
     assert procs.procs["learner"].returncode == 0, procs.tails()
@@ -82,3 +84,13 @@ def test_reasoning_gym_trains_with_its_scorer_and_is_evaluated_every_n_versions(
     assert files, procs.tails()
     data = files[-1].read_bytes()
     assert data.count(f"{key}/version".encode()) >= len(rounds) and data.count(b"reward/correct") >= STEPS
+
+    # The samples table of steps 3 and 6: the prompts as the model read them, the responses decoded, in
+    # samples.jsonl and as wandb tables; the entropy and the response lengths in every row.
+    samples = read_metrics(procs.run_dir, SAMPLES_FILE)
+    assert [s["step"] for s in samples] == [3] * 4 + [6] * 4 and len({s["group_id"] for s in samples[:4]}) == 4
+    assert all(s["prompt"].startswith("<bos><|im_start|>user\nCalculate ") for s in samples), samples[0]
+    assert all(isinstance(s["response"], str) and 0 < s["response_tokens"] <= 6 for s in samples)
+    tables = sorted((procs.run_dir / "wandb").glob("offline-run-*/files/media/table/samples_table_*.table.json"))
+    assert len(tables) == 2, tables
+    assert all(r["loss/entropy_mean"] > 0 and r["response/length_max"] <= 6 for r in rows), rows[-1]

@@ -98,3 +98,30 @@ def test_a_target_outside_the_vocabulary_gives_nan_not_a_stray_read() -> None:
     lp, _ = token_stats(logits, torch.tensor([1, 20, -1]).to(DEV), fused=True)
     assert torch.isfinite(lp[0]) and torch.isnan(lp[1:]).all()
 
+
+
+def test_an_entropy_only_reported_runs_the_logprob_only_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entropy asked for and only reported (detached, as the learner's ``loss/entropy_mean`` with ``entropy_coef``
+    0): the backward kernel runs without its entropy term, and the gradient is the logprobs-only one."""
+    from async_rl.logprobs import stats
+
+    seen: list[bool] = []
+    real = stats.fused_backward
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(args[4] is not None and args[6] is not None)  # ent and g_ent: the entropy term
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stats, "fused_backward", spy)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 70, generator=g).to(DEV)
+    targets = torch.randint(0, 70, (5,), generator=g).to(DEV)
+    grads = []
+    for with_entropy in (False, True):
+        x = logits.clone().requires_grad_()
+        lp, ent = token_stats(x, targets, fused=True, with_entropy=with_entropy)
+        assert (ent is not None) == with_entropy and (ent is None or bool((ent.detach() > 0).all()))
+        lp.sum().backward()
+        grads.append(x.grad)
+    assert seen == [False, False], seen
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)

@@ -101,3 +101,30 @@ def test_no_gradient_needed_and_bad_shapes() -> None:
         chunked_token_logprobs(h, w.t(), y, chunk_tokens=4)
     with pytest.raises(ValueError, match="targets"):
         chunked_token_logprobs(h, w, y[:3], chunk_tokens=4)
+
+
+def test_an_entropy_only_reported_adds_nothing_to_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The learner reports the entropy every step (``learner.entropy_metric``) and trains on it only with
+    ``entropy_coef`` > 0: a detached entropy passes no gradient, so backward takes the logprob-only path (one
+    chunk x vocab buffer, no entropy term) and the gradient is the logprobs-only one, bit for bit."""
+    from async_rl.logprobs import chunked
+
+    seen: list[bool] = []
+    real = chunked._chunk_grad
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(args[4] is not None)  # ent: given only when an entropy gradient flows
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "_chunk_grad", spy)
+    grads = []
+    for with_entropy in (False, True):
+        h, w, y = _inputs(torch.float32)
+        lp, ent = chunked_token_logprobs(h, w, y, chunk_tokens=5, with_entropy=with_entropy)
+        reported = None if ent is None else float(ent.detach().mean())
+        (lp * torch.linspace(-1, 1, 23)).sum().backward()
+        grads.append((h.grad, w.grad, reported))
+    assert seen == [False] * 10, seen  # 5 chunks each, never an entropy term
+    assert grads[1][2] is not None and grads[1][2] > 0
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=0, atol=0)
