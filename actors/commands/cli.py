@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("actors.commands.status:main", "live view of generators, streams, versions and staleness"),
     "audit": ("actors.commands.audit:main", "check that every issued prompt has a fate (trained, dropped, dead letter)"),
     "export": ("actors.commands.export:main", "write a checkpoint as a Hugging Face model directory (transformers, vLLM)"),
+    "eval": ("actors.commands.evaluate:main", "score a checkpoint or an exported model on the task's held-out prompts"),
     "init-model": ("actors.commands.init_model:main", "write a random-init preset and an offline tokenizer as a HF directory"),
     "acl": ("actors.commands.acl:main", "write a Valkey/Redis ACL file: least privilege per role of a run"),
     "serve": ("actors.commands.serve:main", "run Valkey and NATS (with a password) for processes on other hosts"),
