@@ -161,6 +161,14 @@ async def test_a_generator_runs_an_environment_member_and_a_text_member_in_one_b
                 assert "episode/turns" in s.reward_info and s.loss_mask is not None and "called" in s.reward_info
             else:  # one turn, scored by copy's reward
                 assert s.loss_mask is None and set(s.reward_info) == {"exact", "length_ok"}
+    # As evaluation results: under their source, with the answers a text member extracts (an environment has none).
+    for entry, group in zip(entries, scored, strict=True):
+        result = gen._scoring.eval_result(task, entry, group.samples, "g")
+        source = entry.spec.metadata["source"]
+        assert result.label == source and result.rewards == [s.reward for s in group.samples]
+        want = [None, None] if source == "tool_copy" else [task.answer(entry.spec.metadata, s.response_ids)
+                                                            for s in group.samples]  # fmt: skip
+        assert result.answers == want and (source == "tool_copy" or all(isinstance(a, str) for a in want))
 
 
 def test_reasoning_gym_composite_datasets_work(tmp_path) -> None:
