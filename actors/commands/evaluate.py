@@ -111,7 +111,7 @@ def _config(run_dir: Path | None, overrides: list[str]) -> OfflineEvalConfig:
     from async_rl.config.configurable import config_from_data, deep_merge, parse_overrides
 
     run = read_run_config(run_dir) if run_dir is not None else {}
-    data = {k: run[k] for k in ("task", "eval", "sampling") if k in run}
+    data: dict[str, Any] = {k: run[k] for k in ("task", "eval", "sampling") if k in run}
     cfg = config_from_data(OfflineEvalConfig, deep_merge(data, parse_overrides(overrides)))
     eval_sources(cfg.eval, cfg.task)  # each source evaluated has a held-out split, as far as the config tells
     return cfg

@@ -462,16 +462,16 @@ class Generator:
         engine, owners = self._engine, [self._task.task_for(e.spec.metadata) for e in group]  # a mixture's members
         single = [i for i, t in enumerate(owners) if not isinstance(t, EnvTask)]  # the rest run episodes
         try:
-            results, *played = await asyncio.gather(
+            outcome: list[Any] = await asyncio.gather(
                 engine.generate([group[i].spec.prompt_ids for i in single], params) if single else asyncio.sleep(0, []),
                 *(self._episodes(engine, t, e, params) for e, t in zip(group, owners, strict=True)
                   if isinstance(t, EnvTask)))  # fmt: skip
         finally:
             self.generate_s += time.monotonic() - t0
         scored = (self._scoring.score(owners[i], group[i].spec.metadata, c)
-                  for i, c in zip(single, results, strict=True))  # fmt: skip
-        played_in = iter(played)
-        return [next(played_in) if isinstance(t, EnvTask) else next(scored) for t in owners]
+                  for i, c in zip(single, outcome[0], strict=True))  # fmt: skip
+        played = iter(outcome[1:])  # the episodes' groups, in order
+        return [next(played) if isinstance(t, EnvTask) else next(scored) for t in owners]
 
     async def _episodes(self, engine: Engine, task: EnvTask, entry: PromptEntry, params: SamplingParams) -> ScoredGroup:
         errors: list[BaseException] = []
