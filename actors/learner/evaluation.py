@@ -75,7 +75,7 @@ class EvalConfig:
         if self.max_new_tokens < 0:
             raise ValueError("learner.eval.max_new_tokens must be >= 0")
         if any(not 1 <= k <= self.n for k in self.k):
-            raise ValueError(f"learner.eval.k must be in [1, learner.eval.n={self.n}], got {self.k}")
+            raise ValueError(f"learner.eval.k must each be in [1, {self.n}] (1 to eval.n), got {self.k}")
         if len(set(self.sources)) != len(self.sources):
             raise ValueError(f"learner.eval.sources names a source twice: {self.sources}")
 
@@ -100,8 +100,8 @@ def eval_sources(cfg: EvalConfig, task: TaskConfig) -> list[str]:
         why = held_out_missing(known[source])
         if why is not None:
             member = f" (source {source!r} of task.mix)" if task.mix else ""
-            raise ValueError(f"learner.eval.interval_versions needs held-out prompts: task.name "
-                             f"{known[source].name!r}{member} {why}")  # fmt: skip
+            raise ValueError(f"evaluation needs held-out prompts: task.name {known[source].name!r}{member} "
+                             f"{why}")  # fmt: skip
     return chosen
 
 

@@ -131,7 +131,7 @@ def check_held_out(cfg: LearnerConfig, task: Any, prog: str) -> None:
     try:
         held_out_specs(task, eval_sources(cfg.eval, cfg.task), 1)
     except ValueError as exc:
-        print(f"{prog}: config error: learner.eval.interval_versions needs held-out prompts: {exc}", file=sys.stderr)
+        print(f"{prog}: config error: evaluation needs held-out prompts: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -79,6 +79,6 @@ def test_verifiers_takes_the_environments_eval_dataset_or_the_learner_refuses_at
         learner_main(["task.name=verifiers", f"task.env.id={env_id}", "eval.interval_versions=2", *SERVERS])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"async-rl learner: config error: learner.eval.interval_versions needs held-out prompts: task "
+    assert err == (f"async-rl learner: config error: evaluation needs held-out prompts: task "
                    f"'verifiers' has no held-out split: the environment of task.env.id '{env_id}' has no "
                    "eval_dataset"), err  # fmt: skip

@@ -86,7 +86,7 @@ def test_prompts_are_drawn_by_weight_labelled_and_resumed_by_index() -> None:
      r"task.mix\[1\].tokenizer 'tiny-moe' differs from task.mix\[0\].tokenizer ''"),
     ([MIX, "eval.interval_versions=2", 'eval.sources=["copy", "nope"]'],
      r"eval.sources: 'nope' is not a source of the task \(its sources: copy, reverse, sum\)"),
-    ([MIX, "eval.n=2", "eval.k=[1,4]"], r"eval.k must be in \[1, learner.eval.n=2\]"),
+    ([MIX, "eval.n=2", "eval.k=[1,4]"], r"^eval.k must each be in \[1, 2\] \(1 to eval.n\), got \[1, 4\]$"),
 ])  # fmt: skip
 def test_mixture_config_errors_are_one_line_naming_the_member(overrides: list[str], message: str, tmp_path) -> None:
     with pytest.raises(ConfigError, match=message) as err:
