@@ -13,8 +13,9 @@
   checkpoint with the metrics rows they went into: a restarted learner reads each result into exactly one
   committed row. The stream keeps the newest :data:`MAX_RESULTS` (``XADD MAXLEN ~``).
 
-A result (msgpack) holds the prompt id, the round (the learner version the round was issued at), the task's
-label, each sample's reward and reward components, and the weight versions its tokens were sampled with.
+A result (msgpack) holds the prompt id, the round (the learner version the round was issued at), its source
+(the label its metrics go by), each sample's reward, reward components and extracted answer, and the weight versions
+its tokens were sampled with.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ MAX_RESULTS = 100_000
 """Results kept in the stream (a few hundred bytes each): far more than a learner falls behind by."""
 ROUND_KEY = "eval_round"
 """Metadata key of an evaluation prompt: the round (learner version) it belongs to."""
+RESULT_SCHEMA = 2
+"""Schema of a result record (2: with each sample's answer)."""
 GREEDY_KEY = "eval_greedy"
 """Metadata key: sample greedily (temperature 0) instead of with the prompt's ``sampling``."""
 
@@ -51,11 +54,14 @@ class EvalResult:
     round: int
     """Learner version the round was issued at."""
     label: str
-    """What the metrics are named by: the dataset (reasoning_gym) or the task."""
+    """What the metrics are named by: the prompt's source (``eval/<source>/...``)."""
     rewards: list[float]
     """Each sample's reward."""
     info: dict[str, list[float]] = field(default_factory=dict)
     """Each reward component, per sample."""
+    answers: list[str | None] = field(default_factory=list)
+    """Each sample's answer as the task extracts it (``maj@k`` votes on them); None where the task has none (empty:
+    none for every sample)."""
     min_version: int = -1
     """Oldest weight version among the samples' tokens."""
     max_version: int = -1
@@ -64,21 +70,25 @@ class EvalResult:
     """Who scored it."""
 
     def encode(self) -> bytes:
-        return msgpack.packb([1, self.prompt_id, self.round, self.label, self.rewards, self.info,
-                              self.min_version, self.max_version, self.generator_id])  # fmt: skip
+        return msgpack.packb([RESULT_SCHEMA, self.prompt_id, self.round, self.label, self.rewards, self.info,
+                              self.min_version, self.max_version, self.generator_id,
+                              self.answers or [None] * len(self.rewards)])  # fmt: skip
 
     @classmethod
     def decode(cls, raw: bytes) -> EvalResult:
-        """ValueError for anything but a result this module wrote."""
+        """ValueError for anything but a result this module wrote (schema 1, before answers, reads with none)."""
         try:
             v = msgpack.unpackb(raw)
-            schema, pid, rnd, label, rewards, info, lo, hi, gen = v
+            schema, pid, rnd, label, rewards, info, lo, hi, gen = v[:9]
+            answers = v[9] if schema == RESULT_SCHEMA else [None] * len(rewards)
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise ValueError(f"eval result: not a result record ({exc})") from exc
-        if schema != 1 or not isinstance(rewards, list) or not isinstance(info, dict):
+        if (schema not in (1, RESULT_SCHEMA) or not isinstance(rewards, list) or not isinstance(info, dict)
+                or not isinstance(answers, list) or len(answers) != len(rewards)):  # fmt: skip
             raise ValueError(f"eval result: schema {schema!r} or fields malformed")
         return cls(str(pid), int(rnd), str(label), [float(r) for r in rewards],
-                   {str(k): [float(x) for x in xs] for k, xs in info.items()}, int(lo), int(hi), str(gen))  # fmt: skip
+                   {str(k): [float(x) for x in xs] for k, xs in info.items()},
+                   [None if a is None else str(a) for a in answers], int(lo), int(hi), str(gen))  # fmt: skip
 
 
 class EvalQueue:

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("actors.commands.audit:main", "check that every issued prompt has a fate (trained, dropped, dead letter)"),
     "samples": ("actors.commands.samples:main", "the newest groups of a run's rollout stream as text (prompt, responses, rewards)"),
     "export": ("actors.commands.export:main", "write a checkpoint as a Hugging Face model directory (transformers, vLLM)"),
+    "eval": ("actors.commands.evaluate:main", "score a checkpoint or an exported model on the task's held-out prompts"),
     "init-model": ("actors.commands.init_model:main", "write a random-init preset and an offline tokenizer as a HF directory"),
     "acl": ("actors.commands.acl:main", "write a Valkey/Redis ACL file: least privilege per role of a run"),
     "serve": ("actors.commands.serve:main", "run Valkey and NATS (with a password) for processes on other hosts"),

@@ -41,13 +41,14 @@ from async_rl.servers.reach import redis_client
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
 from async_rl.tasks.envs.base import EnvTask
+from async_rl.tasks.mixture import SOURCE_KEY
 from async_rl.weights import WeightReader
 from async_rl.weights.gpu.reader import GpuReader
 from async_rl.weights.transport import make_transport
 from async_rl.wire.sampling import Sampling
 from async_rl.wire.types import GroupRecord, Sample
 from buffer.dead_letters import error_line
-from buffer.evals import GREEDY_KEY, ROUND_KEY, EvalQueue, EvalResult
+from buffer.evals import GREEDY_KEY, EvalQueue
 from buffer.prompts import PromptEntry, PromptQueue
 from buffer.rollout_writer import RolloutWriter
 
@@ -422,15 +423,7 @@ class Generator:
                     await asyncio.shield(self._dead_letter(self._evals.prompts, entry, scored))
                     self._held_evals = [h for h in self._held_evals if h.entry_id != entry.entry_id]
                     continue
-                samples, meta = scored.samples, entry.spec.metadata
-                versions = [int(v) for s in samples for v in np.asarray(s.versions).tolist()] or [-1]
-                result = EvalResult(
-                    prompt_id=entry.spec.prompt_id, round=int(meta.get(ROUND_KEY, entry.issued_version)),
-                    label=str(meta.get("dataset") or meta.get("task") or self._task.name),
-                    rewards=[float(s.reward) for s in samples],
-                    info={k: [float(s.reward_info.get(k, 0.0)) for s in samples] for k in samples[0].reward_info},
-                    min_version=min(versions), max_version=max(versions), generator_id=self.cfg.generator_id,
-                )  # fmt: skip
+                result = self._scoring.eval_result(self._task, entry, scored.samples, self.cfg.generator_id)
                 await asyncio.shield(self._evals.finish(entry, result))
                 self._held_evals = [h for h in self._held_evals if h.entry_id != entry.entry_id]
 
@@ -467,15 +460,19 @@ class Generator:
         finally:
             self.version_wait_s += time.monotonic() - t0
         t0 = time.monotonic()
-        task, engine = self._task, self._engine
+        engine, owners = self._engine, [self._task.task_for(e.spec.metadata) for e in group]  # a mixture's members
+        single = [i for i, t in enumerate(owners) if not isinstance(t, EnvTask)]  # the rest run episodes
         try:
-            if isinstance(task, EnvTask):
-                return list(await asyncio.gather(*(self._episodes(engine, task, e, params) for e in group)))
-            results = await engine.generate([e.spec.prompt_ids for e in group], params)
+            outcome: list[Any] = await asyncio.gather(
+                engine.generate([group[i].spec.prompt_ids for i in single], params) if single else asyncio.sleep(0, []),
+                *(self._episodes(engine, t, e, params) for e, t in zip(group, owners, strict=True)
+                  if isinstance(t, EnvTask)))  # fmt: skip
         finally:
             self.generate_s += time.monotonic() - t0
-        return [self._scoring.score(task, e.spec.metadata, completions) for e, completions in zip(group, results,
-                                                                                                   strict=True)]  # fmt: skip
+        scored = (self._scoring.score(owners[i], group[i].spec.metadata, c)
+                  for i, c in zip(single, outcome[0], strict=True))  # fmt: skip
+        played = iter(outcome[1:])  # the episodes' groups, in order
+        return [next(played) if isinstance(t, EnvTask) else next(scored) for t in owners]
 
     async def _episodes(self, engine: Engine, task: EnvTask, entry: PromptEntry, params: SamplingParams) -> ScoredGroup:
         errors: list[BaseException] = []
@@ -486,7 +483,8 @@ class Generator:
     def _record(self, entry: PromptEntry, samples: list[Sample], gen_s: float) -> GroupRecord:
         spec = entry.spec
         meta: dict[str, Any] = {
-            "task": spec.metadata.get("task", ""), "issued_version": entry.issued_version,
+            "task": spec.metadata.get("task", ""), SOURCE_KEY: spec.metadata.get(SOURCE_KEY, ""),
+            "issued_version": entry.issued_version,
             "issued_at": entry.issued_at, "gen_s": round(gen_s, 4), "reclaimed": entry.reclaimed,
         }  # fmt: skip
         return GroupRecord(

@@ -28,13 +28,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from actors.generator.engine import Completion
 from actors.generator.metrics import GeneratorMetrics
 from async_rl.process.repeated import RepeatedLine
 from async_rl.tasks import Task, TaskConfig
 from async_rl.tasks.config import ENV_TASKS
+from async_rl.tasks.mixture import SOURCE_KEY
 from async_rl.wire.types import Sample
 from buffer.dead_letters import error_line
+from buffer.evals import ROUND_KEY, EvalResult
+from buffer.prompts import PromptEntry
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +88,9 @@ class Scoring:
     _metrics: GeneratorMetrics | None
 
     def __init__(self, task: TaskConfig, max_failed_groups: int, metrics: GeneratorMetrics | None = None) -> None:
-        if task.name in ENV_TASKS:
+        if task.mix:
+            self.key, self.what = "task.mix", "the scorer or environment of a task.mix member"
+        elif task.name in ENV_TASKS:
             self.key = "task.env"
             self.what = f"the environment of task.name={task.name}" + (f" (task.env.id={task.env.id!r})"
                                                                          if task.env.id else "")  # fmt: skip
@@ -130,6 +137,27 @@ class Scoring:
                 finish_reason=c.finish_reason, routes=c.routes, reward_info=info,
             ))  # fmt: skip
         return group
+
+    def eval_result(self, task: Task, entry: PromptEntry, samples: list[Sample], generator_id: str) -> EvalResult:
+        """The result of an evaluation prompt: its samples' rewards, components and answers, under its source."""
+        meta = entry.spec.metadata
+        versions = [int(v) for s in samples for v in np.asarray(s.versions).tolist()] or [-1]
+        return EvalResult(
+            prompt_id=entry.spec.prompt_id, round=int(meta.get(ROUND_KEY, entry.issued_version)),
+            label=str(meta.get(SOURCE_KEY) or meta.get("dataset") or meta.get("task") or task.name),
+            rewards=[float(s.reward) for s in samples], answers=self.answers(task, meta, samples),
+            info={k: [float(s.reward_info.get(k, 0.0)) for s in samples] for k in samples[0].reward_info},
+            min_version=min(versions), max_version=max(versions), generator_id=generator_id,
+        )  # fmt: skip
+
+    def answers(self, task: Task, metadata: Mapping[str, Any], samples: list[Sample]) -> list[str | None]:
+        """Each evaluated sample's answer (:meth:`Task.answer`, evaluation's ``maj@k``); an ``answer`` that raises
+        costs the prompt's votes only, counted and logged as a scoring error."""
+        try:
+            return [task.answer(metadata, s.response_ids) for s in samples]
+        except Exception as exc:  # the task's code: no votes for this prompt, the generator goes on
+            self.failed(exc)
+            return [None] * len(samples)
 
     def episodes(self, samples: list[Sample], errors: list[BaseException]) -> ScoredGroup:
         """A group of episodes, with the errors its environment raised (one at most per episode: it ends there)."""

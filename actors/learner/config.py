@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from actors.learner.evaluation import EvalConfig
+from actors.learner.evaluation import EvalConfig, eval_sources
 from actors.learner.lr_schedule import LR_SCHEDULES, LrSchedule
 from actors.learner.megatron.config import MegatronConfig
 from actors.learner.samples_table import SamplesTableConfig
@@ -17,8 +17,7 @@ from async_rl.model.config import DTYPE_NAMES, ModelConfig
 from async_rl.run.config import RunConfig
 from async_rl.run.lease import LeaseConfig
 from async_rl.servers.control import ControlPlaneConfig
-from async_rl.tasks.config import ENV_TASKS, TaskConfig
-from async_rl.tasks.user import has_held_out, is_user_task, load_task_class
+from async_rl.tasks.config import TaskConfig
 from async_rl.weights.config import PublisherConfig
 from async_rl.weights.transport import TransportConfig
 from async_rl.wire.sampling import Sampling
@@ -254,17 +253,8 @@ class LearnerConfig:
             raise ValueError("learner.starved_log_interval_s must be > 0")
         if not 0 <= self.admission_lag_versions <= self.staleness.max_staleness:
             raise ValueError("learner.admission_lag_versions must be in [0, staleness.max_staleness]")
-        if self.eval.interval_versions and self.task.name == "jsonl" and not self.task.eval_jsonl_path:
-            raise ValueError("learner.eval.interval_versions needs held-out prompts: with task.name=jsonl set "
-                             "task.eval_jsonl_path")  # fmt: skip
-        if self.eval.interval_versions and self.task.name in ENV_TASKS:
-            raise ValueError(f"learner.eval.interval_versions needs held-out prompts: task.name {self.task.name!r} has "
-                             "no held-out split (evaluate with a text task, a task of your own with eval_prompt, or "
-                             "leave evaluation off)")  # fmt: skip
-        if self.eval.interval_versions and is_user_task(self.task.name) \
-                and not has_held_out(load_task_class(self.task.name)):  # fmt: skip
-            raise ValueError(f"learner.eval.interval_versions needs held-out prompts: task.name {self.task.name!r} has "
-                             "no eval_prompt(index) of its own (define it, or leave evaluation off)")  # fmt: skip
+        if self.eval.interval_versions or self.eval.sources:
+            eval_sources(self.eval, self.task)  # every source evaluated is the task's and has a held-out split
         if self.algorithm.advantage.estimator in ("grpo", "rloo") and self.sampling.n < 2:
             raise ValueError(f"learner.sampling.n must be >= 2 for the {self.algorithm.advantage.estimator} "
                              "estimator (a group of one has zero advantage)")  # fmt: skip

@@ -47,10 +47,10 @@ from actors.learner.backend import TrainingBackend
 from actors.learner.batching import make_micro_batches
 from actors.learner.checkpoint import CheckpointManager, LearnerState
 from actors.learner.config import LearnerConfig
-from actors.learner.evaluation import Evaluator
+from actors.learner.evaluation import Evaluator, eval_sources
 from actors.learner.intake import Intake
 from actors.learner.publishing import Publishing, publish_metrics
-from actors.learner.samples import build_samples, response_metrics
+from actors.learner.samples import build_samples, response_metrics, source_metrics
 from actors.learner.samples_table import table_rows
 from actors.learner.signals import LearnerSignals
 from async_rl.algorithms import make_loss_fn
@@ -198,7 +198,7 @@ class Learner(Intake):
         self._checker.max_version = max(self.state.version, self.state.published_version)
         if cfg.eval.interval_versions:
             self._evals = Evaluator(cfg.eval, self._task, EvalQueue(self._redis, names, cfg.prompts, fence=self._fence),
-                                    self.state, cfg.sampling)  # fmt: skip
+                                    self.state, cfg.sampling, eval_sources(cfg.eval, cfg.task))  # fmt: skip
             await self._evals.maybe_issue(self.state.version)
 
     async def run(self) -> LearnerState:
@@ -324,6 +324,7 @@ class Learner(Intake):
             **publish_metrics(committed), **response_metrics(groups),
             **{f"buffer/{k}": v for k, v in counters.items()},
             **self._signals.fleet_metrics(),
+            **source_metrics(groups),
             **evaluated,
         }  # fmt: skip
         # Every component any sample reports (a sample without one counts 0: e.g. an episode that never opened).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from async_rl.entry import (
     check_device,
@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
 
     cfg = parse_config(LearnerConfig, args, prog)
     task = check_task(cfg.task, prog)  # the reward imports, the prompts encode: before any server is touched
+    if cfg.eval.interval_versions:  # each source's held-out split, as built (a verifiers environment's eval_dataset)
+        check_held_out(cfg, task, prog)
     if cfg.backend == "torch":
         check_device(cfg.torch.device, "torch.device", prog)
     check_run_dir(cfg.run.run_dir, prog)
@@ -120,6 +122,17 @@ def main(argv: list[str] | None = None, prog: str = "async-rl learner") -> int:
         print(f"{prog}: {line}", file=sys.stderr)
         return 1
     return 0
+
+
+def check_held_out(cfg: LearnerConfig, task: Any, prog: str) -> None:
+    """Exit 2 with one line when a source evaluated has no held-out prompts (before any server is touched)."""
+    from actors.learner.evaluation import eval_sources, held_out_specs
+
+    try:
+        held_out_specs(task, eval_sources(cfg.eval, cfg.task), 1)
+    except ValueError as exc:
+        print(f"{prog}: config error: evaluation needs held-out prompts: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _takes_lease(cfg: LearnerConfig) -> bool:

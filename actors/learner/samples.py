@@ -5,7 +5,8 @@ An episode's environment tokens stay in the sequence and leave the loss through 
 collapses to a few tokens, shows there before it shows in the reward).
 
 Shared by the learner loop and what drives the same training outside it (the staleness simulation, ``bench
-publish``), so that they train on exactly what the learner would.
+publish``), so that they train on exactly what the learner would. A mixture's groups (``task.mix``) carry their
+source: :func:`source_metrics` reports the step's rewards per source.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from actors.learner.config import LearnerConfig
 from async_rl.algorithms import broadcast_to_tokens, compute_advantages
 from async_rl.algorithms.batch import TrainSample
+from async_rl.tasks.mixture import SOURCE_KEY
 from async_rl.wire.types import GroupRecord
 
 
@@ -56,3 +58,22 @@ def response_metrics(groups: list[GroupRecord]) -> dict[str, float]:
             "response/length_p50": float(np.percentile(lengths, 50)),
             "response/length_p90": float(np.percentile(lengths, 90)),
             "response/truncated_frac": truncated / lengths.size}  # fmt: skip
+
+
+def source_metrics(groups: list[GroupRecord]) -> dict[str, float]:
+    """Per source of a mixture's groups (none for a task that is not one): ``train/<source>/reward`` (the mean reward
+    of its samples), ``train/<source>/reward/<component>`` (each component any of them reports, 0 where one does not)
+    and ``train/<source>/groups``, named as the step's own ``reward`` and ``reward/<component>``."""
+    by_source: dict[str, list[GroupRecord]] = {}
+    for g in groups:
+        source = g.metadata.get(SOURCE_KEY)
+        if source:
+            by_source.setdefault(str(source), []).append(g)
+    out: dict[str, float] = {}
+    for source, members in sorted(by_source.items()):
+        samples = [s for g in members for s in g.samples]
+        out[f"train/{source}/reward"] = float(np.mean([s.reward for s in samples])) if samples else 0.0
+        out[f"train/{source}/groups"] = float(len(members))
+        for key in dict.fromkeys(k for s in samples for k in s.reward_info):
+            out[f"train/{source}/reward/{key}"] = float(np.mean([s.reward_info.get(key, 0.0) for s in samples]))
+    return out

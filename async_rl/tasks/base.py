@@ -69,6 +69,16 @@ class Task(abc.ABC):
         Default: a task without one raises ValueError."""
         raise ValueError(f"task {self.name!r} has no held-out split for evaluation")
 
+    def answer(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> str | None:
+        """The final answer a response gives, as a string equal for equal answers: evaluation's ``maj@k`` votes on
+        it. Default: None, answers do not compare (no ``maj@k``)."""
+        return None
+
+    def task_for(self, metadata: Mapping[str, Any]) -> Task:
+        """The task that scores (or runs the episodes of) the prompt whose metadata is ``metadata``: this one; a
+        mixture's member (:mod:`async_rl.tasks.mixture`)."""
+        return self
+
     def prompt_text(self, prompt_ids: np.ndarray) -> str:
         """A prompt as the model reads it, special tokens shown (the learner logs its first prompt with it). Default:
         the token ids; a task with a tokenizer decodes them."""

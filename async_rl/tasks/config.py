@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from async_rl.tasks.base import Task, load_reward_fn
 from async_rl.tasks.envs.config import EnvConfig
 from async_rl.tasks.jsonl import BUILTIN_REWARDS, MATH_ANSWER_FORMAT, JsonlTask
+from async_rl.tasks.mixture import MixtureTask, check_members
 from async_rl.tasks.text import PromptFormat, prompt_format
 from async_rl.tasks.toy import TOY_TASKS, ToyTask
-from async_rl.tasks.user import build_user_task, check_task_args, is_user_task, load_task_class
+from async_rl.tasks.user import build_user_task, check_task_args, has_held_out, is_user_task, load_task_class
 
 ENV_TASKS = ("tool_copy", "python_tool", "skyrl_gym", "verifiers")
 """Tasks whose prompts open episodes of several turns (:mod:`async_rl.tasks.envs`)."""
@@ -32,7 +34,8 @@ class TaskConfig:
     ``async_rl.tasks.envs.EnvTask``, built as ``Class(seed=seed, tokenizer=<tokenizer loaded, or None>, **args)``
     (``async_rl/tasks/user.py``, docs/environments.md)."""
     seed: int = 0
-    """Seed of the prompt stream (prompt i depends only on seed and i)."""
+    """Seed of the prompt stream (prompt i depends only on seed and i). In a member of ``task.mix``: added to the
+    mixture's ``task.seed`` (members of the same task with different seeds draw different prompts)."""
     min_digits: int = 5
     """Toy tasks and tool_copy: fewest digits per operand (tool_copy: of the hidden string)."""
     max_digits: int = 5
@@ -43,7 +46,9 @@ class TaskConfig:
     jsonl_path: str = ""
     """jsonl: the prompt file."""
     eval_jsonl_path: str = ""
-    """jsonl: a file of held-out prompts for evaluation (learner.eval); the other tasks have a held-out split."""
+    """jsonl, python_tool, skyrl_gym: a file of held-out prompts for evaluation (learner.eval), in the layout of
+    ``jsonl_path``; the toy tasks, tool_copy and reasoning_gym have a held-out split built in, verifiers takes the
+    environment's ``eval_dataset``."""
     prompt_field: str = "prompt"
     """jsonl: field holding the prompt text."""
     dataset: str = ""
@@ -83,8 +88,23 @@ class TaskConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     """skyrl_gym / verifiers: which environment, built with which arguments; python_tool: ``args`` are the
     sandbox's limits (``async_rl.tasks.envs.sandbox.SandboxConfig``)."""
+    source: str = ""
+    """The name the task's prompts and metrics go by (``eval/<source>/...``; in a mixture also
+    ``train/<source>/...``): '' = the reasoning-gym dataset, else the task's name (a task of your own: its class's
+    ``name``)."""
+    weight: float = 1.0
+    """A member of ``task.mix``: its share of the training prompts, relative to the other members' (0: none, its
+    held-out split still evaluated)."""
+    mix: list[TaskConfig] = field(default_factory=list)
+    """Several tasks in one run: each member a task of its own (``[[task.mix]]`` tables in TOML, or
+    ``task.mix='[{"name": "copy", "weight": 2}, {"name": "reverse"}]'``) with its ``weight`` and ``source``; each
+    prompt is drawn from a member by weight, from ``task.seed`` and its index (``async_rl/tasks/mixture.py``).
+    Empty: the one task ``task.name``."""
 
     def __post_init__(self) -> None:
+        if self.mix or self.name == MIX:
+            self._check_mix()
+            return
         if is_user_task(self.name):
             check_task_args(self.name, load_task_class(self.name), self.args)  # imports it: errors name the key
             if self.reward:
@@ -129,9 +149,69 @@ class TaskConfig:
             raise ValueError(f"{field} is set, but task.chat_template is false: it goes into the chat template's "
                              "messages, raw text prompts have none")  # fmt: skip
 
+    def _check_mix(self) -> None:
+        """A mixture: members that are tasks (checked as such when built), each source once; the mixture's own keys
+        left at their defaults but ``seed`` (each member has its own)."""
+        if not self.mix:
+            raise ValueError("task.mix is required when task.name is 'mix' (a list of tasks, each with its weight)")
+        if self.name not in (MIX, "copy"):  # "copy": task.name left at its default
+            raise ValueError(f"task.name {self.name!r} and task.mix are both set: with task.mix, each member names "
+                             "its task (task.mix[j].name)")  # fmt: skip
+        self.name = MIX
+        default = TaskConfig()
+        for f in fields(self):
+            if f.name not in ("name", "seed", "mix") and getattr(self, f.name) != getattr(default, f.name):
+                raise ValueError(f"task.{f.name} applies to one task: with task.mix, set it on the members "
+                                 f"(task.mix[j].{f.name})")  # fmt: skip
+        for j, member in enumerate(self.mix):
+            if member.mix:
+                raise ValueError(f"task.mix[{j}].mix: a member of a mixture cannot be a mixture (list its tasks in "
+                                 "task.mix itself)")  # fmt: skip
+            if member.tokenizer != self.mix[0].tokenizer:
+                raise ValueError(f"task.mix[{j}].tokenizer {member.tokenizer!r} differs from task.mix[0].tokenizer "
+                                 f"{self.mix[0].tokenizer!r}: the model reads one vocabulary")  # fmt: skip
+        check_members([source_of(m) for m in self.mix], [m.weight for m in self.mix])
+
+
+MIX = "mix"
+"""``task.name`` of a mixture (``task.mix``)."""
+
+
+def source_of(config: TaskConfig) -> str:
+    """The source name of a task that is not a mixture: ``task.source``, else the reasoning-gym dataset, a task of your
+    own's class ``name``, or ``task.name``."""
+    if config.source:
+        return config.source
+    if config.name == "reasoning_gym" and config.dataset:
+        return config.dataset
+    if is_user_task(config.name):
+        return str(load_task_class(config.name).name)
+    return config.name
+
+
+def sources_of(config: TaskConfig) -> dict[str, TaskConfig]:
+    """Every source of the task ``config`` describes, with its task's config: a mixture's members, else the task."""
+    if config.mix:
+        return {source_of(m): m for m in config.mix}
+    return {source_of(config): config}
+
+
+def held_out_missing(config: TaskConfig) -> str | None:
+    """Why the task ``config`` (not a mixture) has no held-out split, as far as its config tells (a verifiers
+    environment's is known once it is built), in words after ``task.name '<name>'``; None when it has one."""
+    if config.name in ("jsonl", "python_tool", "skyrl_gym") and not config.eval_jsonl_path:
+        return "has no held-out split: set task.eval_jsonl_path (a file of held-out prompts, in the layout of jsonl_path)"
+    if is_user_task(config.name) and not has_held_out(load_task_class(config.name)):
+        return "has no eval_prompt(index) of its own (define it, or leave evaluation off)"
+    return None
+
 
 def build_task(config: TaskConfig) -> Task:
     """The task ``config`` describes (imports a user's reward function; ValueError if it cannot)."""
+    if config.mix:
+        members = [(source_of(m), m.weight, build_task(dataclasses.replace(m, seed=config.seed + m.seed)))
+                   for m in config.mix]  # fmt: skip
+        return MixtureTask(members, seed=config.seed)
     if is_user_task(config.name):
         return build_user_task(config.name, seed=config.seed, tokenizer=config.tokenizer, args=config.args)
     if config.name == "tool_copy":
@@ -207,12 +287,14 @@ def _adapted_task(config: TaskConfig) -> Task:
         except TypeError as exc:
             raise ValueError(f"task.env.args of python_tool must be sandbox limits: {exc}") from exc
         return PythonToolTask(config.jsonl_path, codec=codec, sandbox=sandbox, seed=config.seed,
-                              shuffle=config.shuffle, max_new_tokens=max_new)  # fmt: skip
+                              shuffle=config.shuffle, max_new_tokens=max_new,
+                              eval_path=config.eval_jsonl_path or None)  # fmt: skip
     if config.name == "skyrl_gym":
         from async_rl.tasks.envs.skyrl_gym import SkyrlGymTask
 
         return SkyrlGymTask(config.jsonl_path, env_id=config.env.id, env_args=config.env.args, codec=codec,
-                            seed=config.seed, shuffle=config.shuffle, max_new_tokens=max_new)  # fmt: skip
+                            seed=config.seed, shuffle=config.shuffle, max_new_tokens=max_new,
+                            eval_path=config.eval_jsonl_path or None)  # fmt: skip
     from async_rl.tasks.envs.verifiers import VerifiersTask
 
     return VerifiersTask(config.env.id, env_args=config.env.args, codec=codec, seed=config.seed,

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.model.architecture import decode, encode  # one JSON record of facts, as the model's
-from async_rl.tasks.config import ENV_TASKS, TaskConfig
+from async_rl.tasks.config import ENV_TASKS, TaskConfig, sources_of
 from async_rl.tasks.toy import TOY_TASKS
 
 STATE_FIELD = "task"
 """Field of the learner's state hash holding the JSON of :func:`task_facts`."""
-ORDER = ("task.name", "task.jsonl_path", "task.dataset", "task.dataset_config", "task.env", "task.reward",
+ORDER = ("task.name", "task.mix", "task.source", "task.jsonl_path", "task.dataset", "task.dataset_config", "task.env", "task.reward",
          "task.tokenizer", "task.strict_length", "task.max_new_tokens")  # fmt: skip
 """The order differences are named in: the first is the one most likely to explain the others."""
 TOKENIZER_FILES = ("vocab.json", "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -72,8 +72,16 @@ def tokenizer_identity(name: str) -> str:
 
 
 def task_facts(cfg: TaskConfig) -> dict[str, Any]:
-    """The facts of ``cfg`` a generator must share (module docstring), keyed by the config key they come from."""
-    facts: dict[str, Any] = {
+    """The facts of ``cfg`` a generator must share (module docstring), keyed by the config key they come from. A
+    mixture's are its sources (in order) and each member's own facts and source, under ``task.mix[j].``; the weights
+    and seeds only decide which prompts the learner issues, and are left out."""
+    if cfg.mix:
+        facts: dict[str, Any] = {"task.name": cfg.name, "task.mix": json.dumps(list(sources_of(cfg)))}
+        for j, (source, member) in enumerate(sources_of(cfg).items()):
+            own = {**task_facts(member), "task.source": source}
+            facts.update({f"task.mix[{j}].{k.removeprefix('task.')}": v for k, v in own.items()})
+        return facts
+    facts = {
         "task.name": cfg.name,
         "task.reward": cfg.reward,
         "task.tokenizer": tokenizer_identity(cfg.tokenizer),
@@ -92,9 +100,18 @@ def task_facts(cfg: TaskConfig) -> dict[str, Any]:
     return facts
 
 
+def _rank(key: str) -> tuple[int, int, str]:
+    """Where ``key`` comes in :data:`ORDER`: a mixture's own facts first, then member after member, each in ORDER."""
+    member, _, own = key.partition("].") if key.startswith("task.mix[") else ("", "", key)
+    j = int(member.removeprefix("task.mix[")) if member else -1
+    own = own if not member else f"task.{own}"
+    return (j, ORDER.index(own) if own in ORDER else len(ORDER), own)
+
+
 def differences(ours: dict[str, Any], run: dict[str, Any]) -> list[str]:
-    """``"<key> <ours> here, <run's> in the run"`` for every fact both name that differs, in :data:`ORDER`."""
-    keys = sorted(set(ours) & set(run), key=lambda k: (ORDER.index(k) if k in ORDER else len(ORDER), k))
+    """``"<key> <ours> here, <run's> in the run"`` for every fact both name that differs, in :data:`ORDER` (a
+    mixture's: its own facts, then each member's in that order)."""
+    keys = sorted(set(ours) & set(run), key=_rank)
     return [f"{k} {_shown(ours[k])} here, {_shown(run[k])} in the run" for k in keys if ours[k] != run[k]]
 
 

@@ -179,6 +179,16 @@ class JsonlTask(Task):
             return response_text(response_ids)
         return decode_response(self._tokenizer, response_ids)
 
+    def answer(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> str | None:
+        """The answer the built-in reward compares: the response stripped, or for ``math_verify`` what math-verify
+        reads from it, normalized (``\\frac{1}{2}`` and ``0.5`` vote together); None with a reward of your own."""
+        if self._reward_fn is not None:
+            return None
+        text = self.decode(response_ids)
+        if self._math is not None:
+            return self._math.answer(text)
+        return text.strip()
+
     def score(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> Score:
         text = self.decode(response_ids)
         if self._reward_fn is not None:

@@ -103,5 +103,19 @@ class MathVerifyReward:
         return Score(reward=float(ok), info={"correct": float(ok), "unparsable_reference": 0.0})
 
 
+    def answer(self, response: str) -> str | None:
+        """The response's final answer as math-verify reads it, as its sympy form prints (equal values print alike:
+        ``\\frac{1}{2}`` and ``0.5`` both ``1/2``); None when it reads nothing."""
+        pred = self._parse(response, extraction_config=self._response_config, parsing_timeout=_timeout())
+        if not pred:
+            return None
+        import sympy
+
+        expr = pred[0]
+        if isinstance(expr, sympy.Expr) and expr.atoms(sympy.Float):  # 0.5 as 1/2
+            expr = sympy.nsimplify(expr, rational=True)
+        return str(expr)
+
+
 def _timeout() -> int | None:
     return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None

@@ -7,6 +7,10 @@ the last ``<answer>...</answer>`` when the response has one, else the whole resp
 that has a chat template the question is a user message, followed by :data:`ANSWER_FORMAT` (``task.answer_format``)
 so the model is told where its answer is read from (:class:`~async_rl.tasks.text.PromptFormat`).
 
+Mixtures of reasoning-gym's own are its ``composite`` dataset: ``task.dataset=composite`` with
+``task.dataset_config.datasets`` a list of tables ``{name, weight, config}`` (:func:`dataset_kwargs`); each entry is
+scored by the scorer of the dataset it came from. (Mixtures of any tasks, with metrics per source: ``task.mix``.)
+
 Nothing is downloaded: reasoning-gym builds entry ``i`` from ``Random(seed + i)``. Training prompt ``k`` is entry
 ``k mod 2**30``; held-out prompt ``j`` (evaluation, :meth:`ReasoningGymTask.eval_prompt`) is entry
 ``2**30 + j``: the two splits use disjoint seeds. Only the entry's index travels in the prompt's metadata; the
@@ -45,6 +49,37 @@ def dataset_names() -> tuple[str, ...]:
     return tuple(sorted(reasoning_gym.factory.DATASETS))
 
 
+def dataset_kwargs(dataset: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``reasoning_gym.create_dataset(dataset, ...)`` from ``task.dataset_config``:
+    ``composite`` takes its ``datasets`` as ``DatasetSpec`` objects, written in the config as tables ``{name, weight,
+    config}`` (``weight`` 1.0 and ``config`` ``{}`` when left out); ValueError naming the entry otherwise."""
+    kwargs = dict(config)
+    if dataset != "composite" or "datasets" not in kwargs:
+        return kwargs
+    from reasoning_gym.composite import DatasetSpec
+
+    specs = kwargs["datasets"]
+    if not isinstance(specs, list) or not specs:
+        raise ValueError(f"task.dataset_config.datasets of 'composite' must be a non-empty list of tables {{name, "
+                         f"weight, config}}, got {specs!r}")  # fmt: skip
+    out = []
+    for i, spec in enumerate(specs):
+        where = f"task.dataset_config.datasets[{i}]"
+        if isinstance(spec, DatasetSpec):
+            out.append(spec)
+            continue
+        if not isinstance(spec, Mapping) or "name" not in spec or set(spec) - {"name", "weight", "config"}:
+            raise ValueError(f"{where} must be a table {{name, weight = 1.0, config = {{}}}}, got {spec!r}")
+        if spec["name"] not in dataset_names():
+            raise ValueError(f"{where}.name {spec['name']!r} is not a reasoning-gym dataset")
+        config_ = spec.get("config") or {}
+        if not isinstance(config_, Mapping):
+            raise ValueError(f"{where}.config must be a table of the dataset's config, got {config_!r}")
+        out.append(DatasetSpec(name=str(spec["name"]), weight=float(spec.get("weight", 1.0)), config=dict(config_)))
+    kwargs["datasets"] = out
+    return kwargs
+
+
 class ReasoningGymTask(Task):
     """One reasoning-gym dataset (see the module docstring)."""
 
@@ -75,7 +110,7 @@ class ReasoningGymTask(Task):
 
         try:
             self._data = reasoning_gym.create_dataset(dataset, seed=seed, size=2 * HELD_OUT_START,
-                                                      **dict(dataset_config or {}))  # fmt: skip
+                                                      **dataset_kwargs(dataset, dataset_config or {}))  # fmt: skip
         except (TypeError, ValueError, AssertionError) as exc:
             raise ValueError(f"task.dataset_config {dict(dataset_config or {})} for {dataset!r}: {exc}") from exc
         self.dataset, self.seed, self.template = dataset, seed, template
@@ -120,8 +155,18 @@ class ReasoningGymTask(Task):
         text = decode_response(self._tokenizer, response_ids)
         if self._reward_fn is not None:
             return call_reward_fn(self._reward_fn, text, metadata)
-        from reasoning_gym.utils import extract_answer
-
-        answer = extract_answer(text) if "<answer>" in text else text.strip()
-        reward = float(self._data.score_answer(answer=answer, entry=self._data[entry_index]))
+        reward = float(self._data.score_answer(answer=_extracted(text), entry=self._data[entry_index]))
         return Score(reward=reward, info={"correct": float(reward >= 1.0)})
+
+    def answer(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> str | None:
+        """The answer the dataset's scorer reads (None with a reward of your own: it reads what it likes)."""
+        if self._reward_fn is not None:
+            return None
+        return _extracted(decode_response(self._tokenizer, response_ids))
+
+
+def _extracted(text: str) -> str:
+    """The answer of a response: inside its last ``<answer>...</answer>``, else the whole response, stripped."""
+    from reasoning_gym.utils import extract_answer
+
+    return str(extract_answer(text) if "<answer>" in text else text.strip())

@@ -136,3 +136,7 @@ class ToyTask(Task):
         if self.reward_fn is not None:
             return call_reward_fn(self.reward_fn, text, metadata)
         return positional_credit(text, target, strict_length=self.strict_length)
+
+    def answer(self, metadata: Mapping[str, Any], response_ids: np.ndarray) -> str | None:
+        """The response's digits, cut at the end token (what the reward compares with the target)."""
+        return response_text(response_ids)

@@ -25,8 +25,9 @@ def _answer(task, entry) -> EvalResult:  # type: ignore[no-untyped-def]
     good = int(entry.spec.prompt_id.split("-eval-")[1].split("@")[0]) % 2 == 0
     ids = [*tt.encode(meta["target"]), tt.EOS_ID] if good else [tt.EOS_ID]
     s = task.score(meta, ids)
-    return EvalResult(prompt_id=entry.spec.prompt_id, round=meta[ROUND_KEY], label=meta["task"], rewards=[s.reward],
-                      info={k: [v] for k, v in s.info.items()}, min_version=3, max_version=3, generator_id="g")  # fmt: skip
+    return EvalResult(prompt_id=entry.spec.prompt_id, round=meta[ROUND_KEY], label=meta["source"], rewards=[s.reward],
+                      info={k: [v] for k, v in s.info.items()}, answers=[task.answer(meta, ids)], min_version=3,
+                      max_version=3, generator_id="g")  # fmt: skip
 
 
 async def test_rounds_are_accounted_apart_from_training(redis_client, names: Names, servers: ServerSet) -> None:
@@ -53,8 +54,9 @@ async def test_rounds_are_accounted_apart_from_training(redis_client, names: Nam
     await queue.finish(entries[3], _answer(task, entries[3]))
     got = await ev.collect()
     assert got == {"eval/copy/reward": 0.5, "eval/copy/exact": 0.5, "eval/copy/length_ok": 0.5,
-                   "eval/copy/num_prompts": 4.0, "eval/copy/version": 0.0,
-                   "eval/copy/weights_version_min": 3.0}  # fmt: skip
+                   "eval/copy/mean@1": 0.5, "eval/copy/pass@1": 0.5, "eval/copy/maj@1": 0.5,
+                   "eval/copy/num_prompts": 4.0, "eval/copy/version": 0.0, "eval/copy/weights_version_min": 3.0,
+                   "eval/copy/weights_version_max": 3.0}  # fmt: skip
     assert await ev.collect() == {}  # each result is read once (the cursor lives in the learner state)
     assert (await queue.counters())["evaluated"] == 4 and (await queue.counters())["in_flight"] == 0
 

@@ -95,3 +95,29 @@ async def test_join_refuses_another_task_on_both_sides(servers: ServerSet, names
         assert await check_join(same, redis_client, control) is True
     finally:
         await control.close()
+
+
+@pytest.mark.asyncio
+async def test_join_compares_a_mixture_member_by_member(servers: ServerSet, names: Names, redis_client) -> None:  # type: ignore[no-untyped-def]
+    urls = [f"run.prefix={names.prefix}", f"run.redis_url={servers.redis_url}", f"run.nats_url={servers.nats_url}"]
+    mix = 'task.mix=[{"name": "copy", "weight": 3}, {"name": "reverse"}]'
+    learner = load_config(GeneratorConfig, None, [*urls, "torch.model.name=tiny-moe", mix]).task
+    await redis_client.hset(names.learner_state, mapping={
+        "model": "tiny-moe", arch.STATE_FIELD: arch.encode(arch.architecture("tiny-moe")),
+        identity.STATE_FIELD: identity.encode(identity.task_facts(learner))})  # fmt: skip
+    control = await ControlPlane(servers.nats_url, name="test").connect()
+    try:
+        other = load_config(GeneratorConfig, None, [*urls, "generator_id=g1", "torch.model.name=tiny-moe",
+                                                     'task.mix=[{"name": "copy"}, {"name": "reverse", '
+                                                     '"strict_length": false}]'])  # fmt: skip
+        with pytest.raises(StartupError, match=r"task 'mix' does not match run .*: task.mix\[1\].strict_length False "
+                                               r"here, True in the run \(give the generator"):  # fmt: skip
+            await check_join(other, redis_client, control)
+        with pytest.raises(StartupError, match=r"task.name 'copy' here, 'mix' in the run"):
+            await check_join(load_config(GeneratorConfig, None, [*urls, "generator_id=g2", "torch.model.name=tiny-moe",
+                                                                 "task.name=copy"]), redis_client, control)  # fmt: skip
+        same = load_config(GeneratorConfig, None, [*urls, "generator_id=g3", "torch.model.name=tiny-moe",
+                                                   'task.mix=[{"name": "copy"}, {"name": "reverse"}]'])  # fmt: skip
+        assert await check_join(same, redis_client, control) is True  # the weights are the learner's alone
+    finally:
+        await control.close()

@@ -13,7 +13,6 @@ from async_rl.model.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, build_byte
 from async_rl.model.presets import save_pretrained_dir
 from async_rl.model.token_mask import masked_token_ids
 from async_rl.tasks import TaskConfig, build_task
-from async_rl.tasks.config import ENV_TASKS
 from async_rl.tasks.reasoning_gym import ANSWER_FORMAT, HELD_OUT_START, ReasoningGymTask
 
 pytest.importorskip("reasoning_gym")
@@ -116,7 +115,9 @@ def test_jsonl_held_out_file_and_the_learner_config_asks_for_one(tmp_path: Path)
         build_task(TaskConfig(name="jsonl", jsonl_path=str(train))).eval_prompt(0)
     with pytest.raises(ConfigError, match="task.eval_jsonl_path"):
         load_config(LearnerConfig, None, ["task.name=jsonl", f"task.jsonl_path={train}", "eval.interval_versions=5"])
-    for name in ENV_TASKS:  # the built-in environments have no held-out split: refused in one line, not at v0
-        with pytest.raises(ConfigError, match=f"task.name '{name}' has no held-out split"):
+    for name in ("python_tool", "skyrl_gym"):  # environments of rows: a held-out file, else refused in one line
+        with pytest.raises(ConfigError, match=f"task.name '{name}' has no held-out split: set task.eval_jsonl_path"):
             load_config(LearnerConfig, None, [f"task.name={name}", f"task.jsonl_path={train}", "task.env.id=m:f",
                                               "eval.interval_versions=5"])  # fmt: skip
+        load_config(LearnerConfig, None, [f"task.name={name}", f"task.jsonl_path={train}", "task.env.id=m:f",
+                                          f"task.eval_jsonl_path={held_out}", "eval.interval_versions=5"])  # fmt: skip

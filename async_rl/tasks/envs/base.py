@@ -19,7 +19,7 @@ goes on.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,10 @@ class RowsEnvTask(EnvTask):
 
     rows: list[tuple[np.ndarray, dict[str, Any]]]
     """(prompt ids, metadata) per row."""
+    eval_rows: Sequence[tuple[np.ndarray, dict[str, Any]]] = ()
+    """The held-out split's rows, in order (evaluation: :meth:`eval_prompt`); none: evaluation is refused."""
+    no_held_out: str = "set task.eval_jsonl_path"
+    """What the line refusing evaluation without held-out rows says after the task's name."""
     seed: int
     shuffle: bool
     _max_new_tokens: int
@@ -88,6 +92,15 @@ class RowsEnvTask(EnvTask):
         pos = row_of(index, len(self.rows), self.seed, self.shuffle)
         ids, meta = self.rows[pos]
         return PromptSpec(prompt_id=f"{self.name}-{self.seed}-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
+
+    def eval_prompt(self, index: int) -> PromptSpec:
+        """Held-out row ``index`` (cycling through :attr:`eval_rows` in order); ValueError when there are none."""
+        if not self.eval_rows:
+            raise ValueError(f"task {self.name!r} has no held-out split: {self.no_held_out}")
+        if index < 0:
+            raise ValueError(f"eval prompt index must be >= 0, got {index}")
+        ids, meta = self.eval_rows[index % len(self.eval_rows)]
+        return PromptSpec(prompt_id=f"{self.name}-eval-{index}", prompt_ids=ids.copy(), metadata=dict(meta))
 
 
 def as_tokens(ids: Any, what: str) -> np.ndarray:

@@ -83,13 +83,17 @@ class PythonToolTask(RowsEnvTask):
     sandbox: SandboxConfig
 
     def __init__(self, path: str | Path, *, codec: TextCodec, sandbox: SandboxConfig, seed: int = 0,
-                 shuffle: bool = True, max_new_tokens: int = 128) -> None:  # fmt: skip
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"task.jsonl_path {str(path)!r} is not a file")
+                 shuffle: bool = True, max_new_tokens: int = 128, eval_path: str | Path | None = None) -> None:  # fmt: skip
+        """``eval_path``: a second file of the same form, the held-out split (``task.eval_jsonl_path``)."""
         self.codec, self.sandbox, self.seed, self.shuffle = codec, sandbox, seed, shuffle
         self._max_new_tokens = max_new_tokens
-        self.rows = []
+        self.rows = self._read(Path(path), "task.jsonl_path")
+        self.eval_rows = self._read(Path(eval_path), "task.eval_jsonl_path") if eval_path else []
+
+    def _read(self, path: Path, key: str) -> list[tuple[np.ndarray, dict[str, Any]]]:
+        if not path.is_file():
+            raise ValueError(f"{key} {str(path)!r} is not a file")
+        rows = []
         for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():
                 continue
@@ -98,13 +102,13 @@ class PythonToolTask(RowsEnvTask):
                 row = json.loads(line)
                 if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
                     raise ValueError("each line must be a JSON object with a 'prompt' and an 'answer'")
-                ids = codec.prompt_ids(as_messages(row["prompt"]))
+                ids = self.codec.prompt_ids(as_messages(row["prompt"]))
             except (json.JSONDecodeError, ValueError) as exc:
                 raise ValueError(f"{where}: {exc}") from exc
-            self.rows.append((ids, {"task": self.name, "row": str(row.get("id", lineno)), "answer": str(row["answer"])}))
-        if not self.rows:
-            raise ValueError(f"task.jsonl_path {str(path)!r} has no prompts")
-
+            rows.append((ids, {"task": self.name, "row": str(row.get("id", lineno)), "answer": str(row["answer"])}))
+        if not rows:
+            raise ValueError(f"{key} {str(path)!r} has no prompts")
+        return rows
 
     def prompt_text(self, prompt_ids: np.ndarray) -> str:
         return self.codec.show(prompt_ids)

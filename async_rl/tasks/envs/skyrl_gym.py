@@ -101,19 +101,27 @@ class SkyrlGymTask(RowsEnvTask):
     codec: TextCodec
 
     def __init__(self, path: str | Path, *, env_id: str, env_args: Mapping[str, Any], codec: TextCodec,
-                 seed: int = 0, shuffle: bool = True, max_new_tokens: int = 256) -> None:  # fmt: skip
+                 seed: int = 0, shuffle: bool = True, max_new_tokens: int = 256,
+                 eval_path: str | Path | None = None) -> None:  # fmt: skip
+        """``eval_path``: a second file of the same layout, the held-out split (``task.eval_jsonl_path``; SkyRL's
+        datasets ship a validation file beside the training one)."""
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ValueError(f"task.jsonl_path {str(self.path)!r} is not a file")
         self.env_id, self.env_args, self.codec = env_id, dict(env_args), codec
         self.seed, self.shuffle, self._max_new_tokens = seed, shuffle, max_new_tokens
-        self.rows = []
-        with self.path.open(encoding="utf-8") as f:
+        self.rows = self._read(self.path, "task.jsonl_path")
+        self.eval_rows = self._read(Path(eval_path), "task.eval_jsonl_path") if eval_path else []
+
+    def _read(self, path: Path, key: str) -> list[tuple[np.ndarray, dict[str, Any]]]:
+        if not path.is_file():
+            raise ValueError(f"{key} {str(path)!r} is not a file")
+        rows = []
+        with path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 if line.strip():
-                    self.rows.append(self._parse(line, f"{self.path}:{lineno}", lineno))
-        if not self.rows:
-            raise ValueError(f"task.jsonl_path {str(self.path)!r} has no prompts")
+                    rows.append(self._parse(line, f"{path}:{lineno}", lineno))
+        if not rows:
+            raise ValueError(f"{key} {str(path)!r} has no prompts")
+        return rows
 
     def _parse(self, line: str, where: str, lineno: int) -> tuple[np.ndarray, dict[str, Any]]:
         try:

@@ -90,11 +90,20 @@ class ToolCopyTask(EnvTask):
     def prompt(self, index: int) -> PromptSpec:
         if index < 0:
             raise ValueError(f"prompt index must be >= 0, got {index}")
-        rng = np.random.default_rng([self.seed, index])
+        return self._make(np.random.default_rng([self.seed, index]), f"{self.name}-{self.seed}-{index}", index)
+
+    def eval_prompt(self, index: int) -> PromptSpec:
+        """Held-out prompt ``index``: its digits drawn from the seed sequence ``[seed, index, 1]``, a stream of its own
+        (as the toy tasks' held-out split)."""
+        if index < 0:
+            raise ValueError(f"eval prompt index must be >= 0, got {index}")
+        return self._make(np.random.default_rng([self.seed, index, 1]), f"{self.name}-{self.seed}-eval-{index}", index)
+
+    def _make(self, rng: np.random.Generator, prompt_id: str, index: int) -> PromptSpec:
         n = int(rng.integers(self.min_digits, self.max_digits + 1))
         target = "".join(str(d) for d in rng.integers(0, 10, size=n))
         ids = np.array([tt.BOS_ID, *tt.encode(PROMPT_TEXT)], dtype=np.int32)
-        return PromptSpec(prompt_id=f"{self.name}-{self.seed}-{index}", prompt_ids=ids,
+        return PromptSpec(prompt_id=prompt_id, prompt_ids=ids,
                           metadata={"task": self.name, "index": index, "target": target})  # fmt: skip
 
     def prompt_text(self, prompt_ids: np.ndarray) -> str:

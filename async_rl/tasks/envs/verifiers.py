@@ -19,8 +19,9 @@ rubric scores the rollout (``rubric.score_rollout``): its ``reward`` is the epis
 ends the episode as an environment error.
 
 Prompts: the environment's dataset (``env.get_dataset()``), loaded by the learner with the same
-``task.env.id`` and ``task.env.args``; each row travels whole in the prompt's metadata. The prompt is rendered
-with the row's tools (``info["tool_defs"]``, else the environment's ``tool_defs``, as ``init_state`` resolves
+``task.env.id`` and ``task.env.args``; each row travels whole in the prompt's metadata. The held-out split
+(evaluation) is the environment's ``eval_dataset``; without one, evaluation is refused at start. The prompt is
+rendered with the row's tools (``info["tool_defs"]``, else the environment's ``tool_defs``, as ``init_state`` resolves
 them) passed to the chat template. The rollout's first request must be what the learner rendered, conversation
 and tools: a rollout that asks for another is refused.
 """
@@ -250,24 +251,31 @@ class VerifiersTask(RowsEnvTask):
         self.env = load(**dict(env_args))
         self.codec, self.seed, self.shuffle, self._max_new_tokens = codec, seed, shuffle, max_new_tokens
         self.tool_parser = tool_parser
-        dataset = self.env.get_dataset()
-        self.rows = []
-        with_tools = 0
+        self.rows, with_tools = self._rows(self.env.get_dataset(), env_id, "dataset")
+        if not self.rows:
+            raise ValueError(f"task.env.id {env_id!r}: the environment's dataset is empty")
+        self.no_held_out = f"the environment of task.env.id {env_id!r} has no eval_dataset"
+        self.env.build_eval_dataset()  # the held-out split: the environment's eval_dataset, when it has one
+        if self.env.eval_dataset is not None:
+            self.eval_rows, _ = self._rows(self.env.eval_dataset, env_id, "eval_dataset")
+        if with_tools and isinstance(codec, ChatTemplateCodec) and not codec.lists_tools():
+            log.warning("task.env.id %r: %d rows offer tools, but the chat template of task.tokenizer does not list "
+                        "tools: the model is not shown them", env_id, with_tools)  # fmt: skip
+
+    def _rows(self, dataset: Any, env_id: str, what: str) -> tuple[list[tuple[np.ndarray, dict[str, Any]]], int]:
+        """The rows of ``dataset`` rendered as prompts, and how many offer tools."""
+        rows, with_tools = [], 0
         for i, raw in enumerate(dataset):
             row = {k: raw[k] for k in _ROW_FIELDS if k in raw and raw[k] is not None}
             row.setdefault("example_id", i)
             try:
                 tools = row_tools(self.env, row)
-                ids = codec.prompt_ids(as_messages(row["prompt"], f"row {i}: 'prompt'"), tools)
+                ids = self.codec.prompt_ids(as_messages(row["prompt"], f"row {i}: 'prompt'"), tools)
             except (KeyError, ValueError) as exc:
-                raise ValueError(f"task.env.id {env_id!r}: dataset row {i}: {exc}") from exc
+                raise ValueError(f"task.env.id {env_id!r}: {what} row {i}: {exc}") from exc
             with_tools += bool(tools)
-            self.rows.append((ids, {"task": self.name, "row": str(row["example_id"]), "input": row}))
-        if not self.rows:
-            raise ValueError(f"task.env.id {env_id!r}: the environment's dataset is empty")
-        if with_tools and isinstance(codec, ChatTemplateCodec) and not codec.lists_tools():
-            log.warning("task.env.id %r: %d rows offer tools, but the chat template of task.tokenizer does not list "
-                        "tools: the model is not shown them", env_id, with_tools)  # fmt: skip
+            rows.append((ids, {"task": self.name, "row": str(row["example_id"]), "input": row}))
+        return rows, with_tools
 
     def prompt_text(self, prompt_ids: np.ndarray) -> str:
         return self.codec.show(prompt_ids)
