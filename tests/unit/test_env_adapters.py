@@ -270,3 +270,15 @@ async def test_verifiers_tool_env_in_other_call_formats(tmp_path: Path, tool_par
     info = s.reward_info
     assert len(engine.contexts) == 2 and info["env/add_calls"] == 1.0 and info["tool_calls/malformed"] == 0.0
     assert s.reward == 1.0 and info["env/correct"] == 1.0
+
+
+def test_verifiers_without_its_classic_api_is_refused_in_one_line():
+    vf = pytest.importorskip("verifiers")
+    from async_rl.tasks.envs.verifiers import classic_api_missing
+
+    assert classic_api_missing(vf.__version__, hasattr(vf, "MultiTurnEnv")) is None  # the installed 0.3.x
+    # verifiers 0.4.0's package root: only verifiers.v1 beside it (checked by hand with the 0.4.0 wheel installed)
+    said = classic_api_missing("0.4.0", False)
+    assert said is not None and said.startswith("task.name=verifiers drives verifiers' classic API")
+    assert "the installed verifiers 0.4.0 has only the verifiers.v1 stack" in said
+    assert said.endswith("pip install 'verifiers>=0.3.1,<0.4'")

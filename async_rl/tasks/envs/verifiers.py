@@ -3,8 +3,8 @@
 Tested with ``verifiers`` 0.3.1 and its classic API (``import verifiers as vf``: ``vf.MultiTurnEnv``,
 ``vf.ToolEnv``, ``vf.SingleTurnEnv``, ``vf.Rubric``, an environment package's ``load_environment``), the one the
 environments of the Environments Hub are written against. (0.4.0 drops it for the ``verifiers.v1`` harness
-stack, which drives a model through an HTTP interception server: not covered here.) Installing it brings some
-45 packages (``datasets``, ``pyarrow``, ``openai``, ``anthropic``, ``mcp``, ...; no torch).
+stack, which drives a model through an HTTP interception server: refused by name, see :func:`classic_api_missing`.)
+Installing it brings some 45 packages (``datasets``, ``pyarrow``, ``openai``, ``anthropic``, ``mcp``, ...; no torch).
 
 How it runs. The environment keeps its own loop: the generator starts ``env.rollout(row, client, ...)`` with a
 client (:class:`EngineClient`, verifiers' own OpenAI chat-completions client with the episode in place of the
@@ -54,7 +54,22 @@ def _import_verifiers() -> Any:
         import verifiers as vf
     except ImportError as exc:
         raise RuntimeError("task.name=verifiers needs the verifiers package: pip install 'async-rl[verifiers]'") from exc
+    problem = classic_api_missing(getattr(vf, "__version__", "?"), hasattr(vf, "MultiTurnEnv"))
+    if problem:
+        raise ValueError(problem)
     return vf
+
+
+def classic_api_missing(version: str, has_classic: bool) -> str | None:
+    """Why the installed verifiers (``version``; ``has_classic``: whether ``verifiers.MultiTurnEnv`` exists) cannot
+    run here, or None. 0.4.0 ships only ``verifiers.v1``: its episodes are harness programs (PEP 723 scripts that uv
+    installs and runs in a runtime) calling the model through an interception server, their first prompt built at run
+    time by the harness, not an environment the generator can step turn by turn from a prompt the learner issued."""
+    if has_classic:
+        return None
+    return (f"task.name=verifiers drives verifiers' classic API (vf.MultiTurnEnv, vf.ToolEnv, ...; verifiers 0.3.x), "
+            f"and the installed verifiers {version} has only the verifiers.v1 stack (harness programs behind an "
+            "interception server; docs/environments.md): pip install 'verifiers>=0.3.1,<0.4'")  # fmt: skip
 
 
 def plain_messages(messages: Any) -> list[Message]:
