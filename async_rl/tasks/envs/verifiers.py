@@ -41,7 +41,8 @@ from async_rl.tasks.base import load_reward_fn
 from async_rl.tasks.envs.base import EnvReply, Episode, RowsEnvTask
 from async_rl.tasks.envs.skyrl_gym import numeric_info
 from async_rl.tasks.envs.text import ChatTemplateCodec, Message, TextCodec, Tool, as_messages
-from async_rl.tasks.envs.tool_calls import ParsedTurn, ToolParser, make_tool_parser, resolve_auto
+from async_rl.tasks.envs.tool_calls import VLLM_PREFIX, ParsedTurn, ToolParser, make_tool_parser, resolve_auto
+from async_rl.tasks.envs.vllm_tool_parsers import vllm_available
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +264,8 @@ class VerifiersTask(RowsEnvTask):
     tool_parser: str
     """``task.env.tool_parser``, ``auto`` resolved to the format the chat template teaches."""
     _parser: ToolParser | None
-    """Built at the first episode (on the generator: vLLM's parsers are imported only there)."""
+    """Built with the task, except a ``vllm:<name>`` parser on a host without vLLM (a learner's: it never parses),
+    which is built at the first episode and fails there."""
 
     def __init__(self, env_id: str, *, env_args: Mapping[str, Any], codec: TextCodec, seed: int = 0,
                  shuffle: bool = True, max_new_tokens: int = 128, tool_parser: str = "hermes") -> None:  # fmt: skip
@@ -273,6 +275,8 @@ class VerifiersTask(RowsEnvTask):
         self.codec, self.seed, self.shuffle, self._max_new_tokens = codec, seed, shuffle, max_new_tokens
         tokenizer = codec.tokenizer if isinstance(codec, ChatTemplateCodec) else None
         self.tool_parser, self._parser = resolve_auto(tool_parser, tokenizer), None
+        if not self.tool_parser.startswith(VLLM_PREFIX) or vllm_available():
+            self._build_parser()  # now: its errors end the process at start
         dataset = self.env.get_dataset()
         self.rows = []
         with_tools = 0
@@ -296,9 +300,12 @@ class VerifiersTask(RowsEnvTask):
         return self.codec.show(prompt_ids)
 
     def episode(self, metadata: Mapping[str, Any]) -> Episode:
-        if self._parser is None:
-            tokenizer = self.codec.tokenizer if isinstance(self.codec, ChatTemplateCodec) else None
-            self._parser = make_tool_parser(self.tool_parser, tokenizer)
-            log.info("task.env.tool_parser=%s: tool calls read by %s parser", self.tool_parser,
-                     "vLLM's" if self._parser.backend == "vllm" else "our own")  # fmt: skip
-        return VerifiersEpisode(self.env, self.codec, dict(metadata["input"]), self._parser)
+        parser = self._parser or self._build_parser()
+        return VerifiersEpisode(self.env, self.codec, dict(metadata["input"]), parser)
+
+    def _build_parser(self) -> ToolParser:
+        tokenizer = self.codec.tokenizer if isinstance(self.codec, ChatTemplateCodec) else None
+        self._parser = make_tool_parser(self.tool_parser, tokenizer)
+        log.info("task.env.tool_parser=%s: tool calls read by %s parser", self.tool_parser,
+                 "vLLM's" if self._parser.backend == "vllm" else "our own")  # fmt: skip
+        return self._parser
