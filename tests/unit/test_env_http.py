@@ -13,13 +13,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_env_adapters import ScriptedTurns  # a sibling module: an engine of scripted turns
 
-from actors.generator.engine import Completion, Engine, SamplingParams
+from actors.generator.engine import SamplingParams
 from actors.generator.episodes import EpisodeConfig, run_group
 from async_rl.model import toy_tokenizer as tt
 from async_rl.tasks import TaskConfig, build_task
@@ -51,33 +52,9 @@ def url() -> Iterator[str]:
     assert proc.returncode == 0 and "async-rl env-serve: stopped" in out, out
 
 
-class Scripted(Engine):
-    """Model turns given as toy text (each followed by <eos>), in order; keeps every context."""
-
-    def __init__(self, texts: Sequence[str]) -> None:
-        self.turns = [np.array([*tt.encode(t), tt.EOS_ID], np.int32) for t in texts]
-        self.contexts: list[np.ndarray] = []
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @property
-    def max_batch_prompts(self) -> int:
-        return 1
-
-    async def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[list[Completion]]:
-        [context] = prompts
-        self.contexts.append(np.asarray(context))
-        ids = self.turns[len(self.contexts) - 1]
-        return [[Completion(token_ids=ids, logprobs=np.zeros(ids.size, np.float32),
-                            versions=np.zeros(ids.size, np.int32), finish_reason="stop")]]  # fmt: skip
-
-    def stage_weights(self, tensors: Mapping, version: int) -> None:  # type: ignore[type-arg]
-        raise NotImplementedError
-
-    async def wait_applied(self, version: int, timeout_s: float | None = None) -> bool:
-        return True
+def scripted(texts: Sequence[str]) -> ScriptedTurns:
+    """Model turns given as toy text (each followed by <eos>), in order; it keeps every context."""
+    return ScriptedTurns(tt.build_tokenizer(), texts)
 
 
 async def test_a_served_environment_runs_its_prompts_and_episodes(url: str) -> None:
@@ -95,7 +72,7 @@ async def test_a_served_environment_runs_its_prompts_and_episodes(url: str) -> N
     assert task.prompt_text(task.prompt(0).prompt_ids) == "<bos>,"  # the server's text of it, for the learner's log
     spec = task.prompt(3)
     target = spec.metadata["target"]
-    engine = Scripted(["*", target])  # call the tool, then copy what it returned
+    engine = scripted(["*", target])  # call the tool, then copy what it returned
     [s] = await run_group(engine, task, spec.metadata, spec.prompt_ids, SamplingParams(n=1, max_new_tokens=5),
                           EpisodeConfig())  # fmt: skip
     assert s.reward == 1.0 and s.reward_info["exact"] == 1.0 and s.reward_info["episode/end_done"] == 1.0
@@ -103,7 +80,7 @@ async def test_a_served_environment_runs_its_prompts_and_episodes(url: str) -> N
     np.testing.assert_array_equal(s.response_ids[~s.model_token_mask()], reply)
     np.testing.assert_array_equal(engine.contexts[1], np.concatenate([spec.prompt_ids, engine.turns[0], reply]))
     # Episodes of a group run concurrently, each in its own session.
-    engines = [Scripted(["*", target]), Scripted(["1", "1"])]
+    engines = [scripted(["*", target]), scripted(["1", "1"])]
     got = await asyncio.gather(*(run_group(e, task, spec.metadata, spec.prompt_ids,
                                            SamplingParams(n=1, max_new_tokens=5), EpisodeConfig()) for e in engines))  # fmt: skip
     assert [g[0].reward_info["called"] for g in got] == [1.0, 0.0]
@@ -113,13 +90,13 @@ async def test_an_environment_error_on_the_server_costs_the_group(url: str) -> N
     task = build_task(TaskConfig(name="http", env=EnvConfig(url=url)))
     spec = task.prompt(1)
     errors: list[BaseException] = []
-    samples = await run_group(Scripted(["-", "-"]), task, spec.metadata, spec.prompt_ids,  # type: ignore[arg-type]
+    samples = await run_group(scripted(["-", "-"]), task, spec.metadata, spec.prompt_ids,  # type: ignore[arg-type]
                               SamplingParams(n=2, max_new_tokens=5), EpisodeConfig(), on_error=errors.append)  # fmt: skip
     assert len(errors) == 2 and all(isinstance(e, RuntimeError) for e in errors)
     assert str(errors[0]) == f"environment server {url}: RuntimeError: boom: the turn holds a '-' (EXECUTION_ERROR)"
     assert all(s.reward_info["episode/end_env_error"] == 1.0 for s in samples)
     # The server goes on: the next episode runs.
-    [s] = await run_group(Scripted(["*", spec.metadata["target"]]), task, spec.metadata, spec.prompt_ids,
+    [s] = await run_group(scripted(["*", spec.metadata["target"]]), task, spec.metadata, spec.prompt_ids,
                           SamplingParams(n=1, max_new_tokens=5), EpisodeConfig())  # fmt: skip
     assert s.reward == 1.0
 
