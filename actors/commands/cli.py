@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("actors.commands.init_model:main", "write a random-init preset and an offline tokenizer as a HF directory"),
     "acl": ("actors.commands.acl:main", "write a Valkey/Redis ACL file: least privilege per role of a run"),
     "serve": ("actors.commands.serve:main", "run Valkey and NATS (with a password) for processes on other hosts"),
+    "env-serve": ("actors.commands.env_serve:main", "serve an environment over HTTP to task.name=http"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "buffer": ("actors.commands.bench.buffer:main", "rollout-stream throughput vs raw bytes and JSON encodings"),

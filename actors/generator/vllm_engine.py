@@ -21,6 +21,10 @@
   reload; :mod:`.vllm_load_plan`), relabels and resumes. No file is written.
   ``last_swap_pause_s`` is the time generation stood still. New requests carry the version in their prefix-cache
   salt, so no prompt reuses KV computed by older weights.
+* **Prefix cache across turns.** An episode's next turn is a new request whose prompt is the whole context so far;
+  with prefix caching on (``enable_prefix_caching``, on unless routes are captured by hooks) vLLM finds the blocks
+  of the previous turns' KV under the same salt and runs only the new tokens' prefill. :attr:`VLLMEngine.prompt_tokens`
+  and :attr:`VLLMEngine.cached_prompt_tokens` count what was asked and what the cache served (logged at close).
 * **Routes** (MoE). Where vLLM's own routed-experts output works (CUDA, Model Runner V2) it is
   used (``routes="native"``); on CPU the worker extension of :mod:`actors.generator.vllm_worker`
   captures them in eager mode (``routes="hooks"``, prefix caching off). Either way a sample's
@@ -93,6 +97,10 @@ class VLLMEngine(Engine):
     """Why the last staged version could not be applied (None when it was)."""
     swap_load: str
     """How versions load in place: 'replay' (:mod:`.vllm_load_plan`) or 'reload: <why>' (vLLM's layerwise reload)."""
+    prompt_tokens: int
+    """Prompt tokens of every request so far."""
+    cached_prompt_tokens: int
+    """Those of them served from the prefix cache (an episode's earlier turns, a group's shared prompt)."""
     _llm: Any
     _tmp_dir: Path | None
     _version: int
@@ -134,6 +142,7 @@ class VLLMEngine(Engine):
         self._ids = itertools.count()
         self._uid = uuid.uuid4().hex[:6]
         self._closed = False
+        self.prompt_tokens = self.cached_prompt_tokens = 0
         self._labels = None
         self._swaps = []
         self._pauses = []
@@ -359,6 +368,9 @@ class VLLMEngine(Engine):
         if self._closed:
             return
         self._closed = True
+        if self.prefix_caching and self.prompt_tokens:
+            log.info("prefix cache: %d of %d prompt tokens (%.0f%%) served from it", self.cached_prompt_tokens,
+                     self.prompt_tokens, 100 * self.cached_prompt_tokens / self.prompt_tokens)  # fmt: skip
         tasks = [t for t in (self._swapper, self._ready, *self._cleanup) if t is not None and not t.done()]
         for t in tasks:
             t.cancel()
@@ -422,6 +434,8 @@ class VLLMEngine(Engine):
             self._labels.forget(rid)
             raise
         assert final is not None and final.outputs, f"vLLM returned nothing for request {rid}"
+        self.prompt_tokens += prompt.size
+        self.cached_prompt_tokens += getattr(final, "num_cached_tokens", None) or 0
         c = final.outputs[0]
         native = self.facts if self.route_mode == "native" else None
         return completion(c, self._labels.spans(rid, c), self._version, native, rid)

@@ -14,7 +14,7 @@ from async_rl.tasks.text import PromptFormat, prompt_format
 from async_rl.tasks.toy import TOY_TASKS, ToyTask
 from async_rl.tasks.user import build_user_task, check_task_args, has_held_out, is_user_task, load_task_class
 
-ENV_TASKS = ("tool_copy", "python_tool", "skyrl_gym", "verifiers")
+ENV_TASKS = ("tool_copy", "python_tool", "skyrl_gym", "verifiers", "http")
 """Tasks whose prompts open episodes of several turns (:mod:`async_rl.tasks.envs`)."""
 TEXT_TASKS = ("jsonl", "reasoning_gym")
 """Tasks whose prompts are text, rendered through the tokenizer's chat template or raw (``task.chat_template``)."""
@@ -29,7 +29,8 @@ class TaskConfig:
     """copy | reverse | sort | add (built-in toy tasks), jsonl (prompts from ``jsonl_path``), reasoning_gym (a
     reasoning-gym dataset, ``dataset``) or tool_copy (a toy environment of two turns: call a tool, then copy what it
     returned), python_tool (questions answered with a sandboxed Python tool, rows from ``jsonl_path``), skyrl_gym or
-    verifiers (environments of those packages, through their adapters; see docs/environments.md); or your own task or
+    verifiers (environments of those packages, through their adapters), http (an environment served by another process
+or host, ``task.env.url``; see docs/environments.md); or your own task or
     environment, ``path/to/file.py:Class`` or ``module:Class``: a subclass of ``async_rl.tasks.Task`` or
     ``async_rl.tasks.envs.EnvTask``, built as ``Class(seed=seed, tokenizer=<tokenizer loaded, or None>, **args)``
     (``async_rl/tasks/user.py``, docs/environments.md)."""
@@ -86,8 +87,8 @@ class TaskConfig:
     """A task given as ``file.py:Class`` or ``module:Class``: the keyword arguments of its constructor besides
     ``seed`` and ``tokenizer`` (e.g. ``task.args.max_number=100``); checked against its signature at start."""
     env: EnvConfig = field(default_factory=EnvConfig)
-    """skyrl_gym / verifiers: which environment, built with which arguments; python_tool: ``args`` are the
-    sandbox's limits (``async_rl.tasks.envs.sandbox.SandboxConfig``)."""
+    """skyrl_gym / verifiers: which environment, built with which arguments; http: the server's ``url``; python_tool:
+    ``args`` are the sandbox's limits (``async_rl.tasks.envs.sandbox.SandboxConfig``)."""
     source: str = ""
     """The name the task's prompts and metrics go by (``eval/<source>/...``; in a mixture also
     ``train/<source>/...``): '' = the reasoning-gym dataset, else the task's name (a task of your own: its class's
@@ -128,6 +129,11 @@ class TaskConfig:
         if self.name == "verifiers" and not self.env.id:
             raise ValueError("task.env.id ('module:function' returning the vf.Environment) is required when "
                              "task.name is 'verifiers'")
+        if self.name == "http" and not self.env.url:
+            raise ValueError("task.env.url (http://host:port of an environment server: async-rl env-serve) is required "
+                             "when task.name is 'http'")  # fmt: skip
+        if self.env.url and self.name != "http":
+            raise ValueError(f"task.env.url applies to task.name=http, not to {self.name!r}")
         if self.name == "reasoning_gym" and not self.dataset:
             raise ValueError("task.dataset is required when task.name is 'reasoning_gym'")
         if self.name == "reasoning_gym" and not self.tokenizer:
@@ -222,6 +228,12 @@ def build_task(config: TaskConfig) -> Task:
         return ToolCopyTask(seed=config.seed, min_digits=config.min_digits, max_digits=config.max_digits)
     if config.name in ("skyrl_gym", "verifiers", "python_tool"):
         return _adapted_task(config)
+    if config.name == "http":
+        from async_rl.tasks.envs.http import HttpEnvTask
+
+        if config.reward:
+            raise ValueError("task.reward cannot be set for http: the served environment scores the episode")
+        return HttpEnvTask(config.env.url, max_new_tokens=config.max_new_tokens)
     reward_fn = load_reward_fn(config.reward) if ":" in config.reward else None
     if config.name == "jsonl":
         tokenizer = None

@@ -41,7 +41,7 @@ def test_status_says_what_its_versions_behind_column_measures() -> None:
 
 
 @pytest.mark.parametrize("module", ["status", "audit", "samples", "serve", "acl", "quickstart", "evaluate", "bench.loop",
-                                    "bench.backends", "bench.sync_vs_async"])  # fmt: skip
+                                    "bench.backends", "bench.sync_vs_async", "env_serve"])  # fmt: skip
 def test_help_descriptions_are_whole_sentences(module: str, capsys) -> None:  # type: ignore[no-untyped-def]
     mod = importlib.import_module(f"actors.commands.{module}")
     with pytest.raises(SystemExit):

@@ -68,7 +68,8 @@ def test_adapter_config_errors_are_named(tmp_path: Path):
     with pytest.raises(ValueError, match="task.reward cannot be set for skyrl_gym"):
         build_task(TaskConfig(name="skyrl_gym", jsonl_path=str(write_rows(tmp_path / "r.jsonl")),
                               reward="m:f"))  # fmt: skip
-    with pytest.raises(ValueError, match=r"task.env.tool_parser must be one of \['hermes', 'none'\], got 'qwen'"):
+    with pytest.raises(ValueError, match=r"task.env.tool_parser must be one of \['hermes', 'llama3_json', "
+                                         r"'mistral', 'auto', 'none'\] or 'vllm:<name>'.*, got 'qwen'"):  # fmt: skip
         EnvConfig(id="m:f", tool_parser="qwen")
 
 
@@ -251,3 +252,33 @@ def test_chat_template_codec_cuts_replies_where_the_base_is_a_prefix():
     assert codec.lists_tools()
     tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     assert not ChatTemplateCodec(tok).lists_tools()
+
+
+@pytest.mark.parametrize("tool_parser, call", [
+    ("llama3_json", '{"name": "add", "parameters": {"a": <a>, "b": <b>}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": <a>, "b": <b>}}]'),
+])  # fmt: skip
+async def test_verifiers_tool_env_in_other_call_formats(tmp_path: Path, tool_parser: str, call: str):
+    pytest.importorskip("verifiers")
+    probe = build_task(TaskConfig(name="verifiers", env=EnvConfig(id=VF_TOOL_ENV, args={"num_rows": 2}),
+                                  tokenizer=str(hermes_tokenizer_dir(tmp_path / "probe"))))  # fmt: skip
+    question = probe.prompt(0).metadata["input"]["prompt"][0]["content"]
+    a, b = re.fullmatch(r"What is (\d+) \+ (\d+)\?", question).groups()  # type: ignore[union-attr]
+    answer = str(int(a) + int(b))
+    _, _, engine, s = await _tool_episode(tmp_path, [call.replace("<a>", a).replace("<b>", b), f"The sum is {answer}"],
+                                          tool_parser=tool_parser)  # fmt: skip
+    info = s.reward_info
+    assert len(engine.contexts) == 2 and info["env/add_calls"] == 1.0 and info["tool_calls/malformed"] == 0.0
+    assert s.reward == 1.0 and info["env/correct"] == 1.0
+
+
+def test_verifiers_without_its_classic_api_is_refused_in_one_line():
+    vf = pytest.importorskip("verifiers")
+    from async_rl.tasks.envs.verifiers import classic_api_missing
+
+    assert classic_api_missing(vf.__version__, hasattr(vf, "MultiTurnEnv")) is None  # the installed 0.3.x
+    # verifiers 0.4.0's package root: only verifiers.v1 beside it (checked by hand with the 0.4.0 wheel installed)
+    said = classic_api_missing("0.4.0", False)
+    assert said is not None and said.startswith("task.name=verifiers drives verifiers' classic API")
+    assert "the installed verifiers 0.4.0 has only the verifiers.v1 stack" in said
+    assert said.endswith("pip install 'verifiers>=0.3.1,<0.4'")

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from async_rl.tasks.envs.tool_calls import TOOL_PARSERS
+from async_rl.tasks.envs.tool_calls import check_tool_parser
 
 
 @dataclass(kw_only=True, slots=True)
 class EnvConfig:
-    """An environment written for another system (``task.name=skyrl_gym`` or ``verifiers``; docs/environments.md)."""
+    """An environment written for another system (``task.name=skyrl_gym`` or ``verifiers``) or served by another
+    process (``http``; docs/environments.md)."""
 
     id: str = ""
     """skyrl_gym: a registered environment id (``gsm8k_multi_turn``) or ``module:Class`` of a user's
@@ -20,13 +21,20 @@ class EnvConfig:
     args: dict[str, Any] = field(default_factory=dict)
     """skyrl_gym: the ``env_config`` every environment is made with; verifiers: keyword arguments of the
     function named by ``id``."""
+    url: str = ""
+    """http: ``http://host:port`` of an environment server (``async-rl env-serve``) whose prompts and episodes the run
+    uses, over OpenEnv's protocol (``async_rl/tasks/envs/http.py``)."""
     tool_parser: str = "hermes"
     """verifiers: how tool calls are read out of a model turn's text and handed to the environment as structured
-    ``tool_calls`` (``vf.ToolEnv`` needs them): ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``,
-    the format of Qwen2.5/Qwen3 chat templates) or ``none`` (the text as it is)."""
+    ``tool_calls`` (``vf.ToolEnv`` needs them), as ``vllm serve --tool-call-parser`` reads them: ``hermes``
+    (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, Qwen2.5/Qwen3), ``llama3_json`` (Llama 3.x),
+    ``mistral`` (``[TOOL_CALLS]``), ``auto`` (the format the chat template of ``task.tokenizer`` teaches),
+    ``vllm:<name>`` (any other parser of vLLM's, vLLM installed) or ``none`` (the text as it is); vLLM's own parser
+    where vLLM is installed, else ours (``async_rl/tasks/envs/tool_calls.py``)."""
 
     def __post_init__(self) -> None:
         if self.id and (" " in self.id or self.id.count(":") > 1):
             raise ValueError(f"task.env.id must be an environment id or 'module:name', got {self.id!r}")
-        if self.tool_parser not in TOOL_PARSERS:
-            raise ValueError(f"task.env.tool_parser must be one of {list(TOOL_PARSERS)}, got {self.tool_parser!r}")
+        check_tool_parser(self.tool_parser)
+        if self.url and not self.url.startswith("http://"):
+            raise ValueError(f"task.env.url must be http://host:port of an environment server, got {self.url!r}")

@@ -60,8 +60,9 @@ class TextCodec(abc.ABC):
         """int32 ids of messages an environment adds after a model turn, ready for the model's next turn."""
 
     @abc.abstractmethod
-    def decode(self, ids: np.ndarray) -> str:
-        """Text of a model turn, cut at its end token, special tokens dropped."""
+    def decode(self, ids: np.ndarray, keep: Sequence[str] = ()) -> str:
+        """Text of a model turn, cut at its end token, special tokens dropped but those named in ``keep`` (a tool
+        parser's markers, special tokens in some tokenizers: ``[TOOL_CALLS]``, ``<|python_tag|>``)."""
 
     def show(self, ids: np.ndarray) -> str:
         """Text of token ids with the special tokens shown, as the model reads them (for logs; default: the ids)."""
@@ -80,7 +81,7 @@ class ToyCodec(TextCodec):
     def reply_ids(self, messages: Sequence[Message]) -> np.ndarray:
         return np.array(self._encode(messages), dtype=np.int32)
 
-    def decode(self, ids: np.ndarray) -> str:
+    def decode(self, ids: np.ndarray, keep: Sequence[str] = ()) -> str:
         out = np.asarray(ids).tolist()
         if tt.EOS_ID in out:
             out = out[: out.index(tt.EOS_ID)]
@@ -108,11 +109,14 @@ class ChatTemplateCodec(TextCodec):
     tokenizer: PreTrainedTokenizerBase
     _bases: list[tuple[list[Message], list[int]]]
     """Each base conversation of :data:`BASE_CONVERSATIONS` with its tokens."""
+    _kept: dict[tuple[str, ...], dict[int, str]]
+    """Per ``keep`` of :meth:`decode`, the special tokens' ids it keeps."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template (task.tokenizer must name one that has)")
         self.tokenizer = tokenizer
+        self._kept = {}
         self._bases = [(base, self._render(base, generation_prompt=False)) for base in BASE_CONVERSATIONS]
 
     def _render(self, messages: Sequence[Message], *, generation_prompt: bool, tools: Sequence[Tool] = ()) -> list[int]:
@@ -138,12 +142,34 @@ class ChatTemplateCodec(TextCodec):
         ids = self._render([{"role": "user", "content": "Hi."}], generation_prompt=True, tools=[probe])
         return "async_rl_probe_tool" in str(self.tokenizer.decode(ids))
 
-    def decode(self, ids: np.ndarray) -> str:
+    def decode(self, ids: np.ndarray, keep: Sequence[str] = ()) -> str:
         out = np.asarray(ids).tolist()
         eos = self.tokenizer.eos_token_id
         if eos is not None and eos in out:
             out = out[: out.index(eos)]
-        return str(self.tokenizer.decode(out, skip_special_tokens=True))
+        kept = self._kept_ids(tuple(keep))
+        if not kept or not kept.keys() & set(out):
+            return str(self.tokenizer.decode(out, skip_special_tokens=True))
+        pieces: list[str] = []
+        run: list[int] = []  # the kept tokens written as themselves, what lies between decoded as usual
+        for i in out:
+            if i in kept:
+                pieces += [str(self.tokenizer.decode(run, skip_special_tokens=True)), kept[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join([*pieces, str(self.tokenizer.decode(run, skip_special_tokens=True))])
+
+    def _kept_ids(self, keep: tuple[str, ...]) -> dict[int, str]:
+        """The ids of the special tokens among ``keep`` (those decoding would drop), with their text."""
+        if keep not in self._kept:
+            special, found = set(self.tokenizer.all_special_ids), {}
+            for token in keep:
+                i = self.tokenizer.convert_tokens_to_ids(token)
+                if isinstance(i, int) and i in special:
+                    found[i] = token
+            self._kept[keep] = found
+        return self._kept[keep]
 
     def show(self, ids: np.ndarray) -> str:
         return show_ids(self.tokenizer, ids)

@@ -3,14 +3,14 @@
 Tested with ``verifiers`` 0.3.1 and its classic API (``import verifiers as vf``: ``vf.MultiTurnEnv``,
 ``vf.ToolEnv``, ``vf.SingleTurnEnv``, ``vf.Rubric``, an environment package's ``load_environment``), the one the
 environments of the Environments Hub are written against. (0.4.0 drops it for the ``verifiers.v1`` harness
-stack, which drives a model through an HTTP interception server: not covered here.) Installing it brings some
-45 packages (``datasets``, ``pyarrow``, ``openai``, ``anthropic``, ``mcp``, ...; no torch).
+stack, which drives a model through an HTTP interception server: refused by name, see :func:`classic_api_missing`.)
+Installing it brings some 45 packages (``datasets``, ``pyarrow``, ``openai``, ``anthropic``, ``mcp``, ...; no torch).
 
 How it runs. The environment keeps its own loop: the generator starts ``env.rollout(row, client, ...)`` with a
 client (:class:`EngineClient`, verifiers' own OpenAI chat-completions client with the episode in place of the
 server) whose request hands the conversation to the episode and waits for the model's turn. Each model turn the
-generator samples is decoded, its tool calls parsed out of the text (``task.env.tool_parser``,
-:mod:`async_rl.tasks.envs.tool_calls`), and returned as the completion an OpenAI-compatible server with that tool
+generator samples is decoded, its tool calls parsed out of the text (``task.env.tool_parser``: Hermes, Llama 3 JSON,
+Mistral, or any of vLLM's parsers, :mod:`async_rl.tasks.envs.tool_calls`), and returned as the completion an OpenAI-compatible server with that tool
 parser returns: ``content`` and structured ``tool_calls``, so a ``vf.ToolEnv`` runs its tools. The environment
 then runs ``env_response`` and its stop conditions, and either asks for the next turn (its new messages, tool
 results included, are rendered with the task's codec and appended to the sequence) or ends, after which the
@@ -42,7 +42,8 @@ from async_rl.tasks.base import load_reward_fn
 from async_rl.tasks.envs.base import EnvReply, Episode, RowsEnvTask
 from async_rl.tasks.envs.skyrl_gym import numeric_info
 from async_rl.tasks.envs.text import ChatTemplateCodec, Message, TextCodec, Tool, as_messages
-from async_rl.tasks.envs.tool_calls import ParsedTurn, parse_tool_calls
+from async_rl.tasks.envs.tool_calls import VLLM_PREFIX, ParsedTurn, ToolParser, make_tool_parser, resolve_auto
+from async_rl.tasks.envs.vllm_tool_parsers import vllm_available
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,22 @@ def _import_verifiers() -> Any:
         import verifiers as vf
     except ImportError as exc:
         raise RuntimeError("task.name=verifiers needs the verifiers package: pip install 'async-rl[verifiers]'") from exc
+    problem = classic_api_missing(getattr(vf, "__version__", "?"), hasattr(vf, "MultiTurnEnv"))
+    if problem:
+        raise ValueError(problem)
     return vf
+
+
+def classic_api_missing(version: str, has_classic: bool) -> str | None:
+    """Why the installed verifiers (``version``; ``has_classic``: whether ``verifiers.MultiTurnEnv`` exists) cannot
+    run here, or None. 0.4.0 ships only ``verifiers.v1``: its episodes are harness programs (PEP 723 scripts that uv
+    installs and runs in a runtime) calling the model through an interception server, their first prompt built at run
+    time by the harness, not an environment the generator can step turn by turn from a prompt the learner issued."""
+    if has_classic:
+        return None
+    return (f"task.name=verifiers drives verifiers' classic API (vf.MultiTurnEnv, vf.ToolEnv, ...; verifiers 0.3.x), "
+            f"and the installed verifiers {version} has only the verifiers.v1 stack (harness programs behind an "
+            "interception server; docs/environments.md): pip install 'verifiers>=0.3.1,<0.4'")  # fmt: skip
 
 
 def plain_messages(messages: Any) -> list[Message]:
@@ -156,23 +172,26 @@ class VerifiersEpisode(Episode):
     env: Any
     codec: TextCodec
     row: dict[str, Any]
-    tool_parser: str
+    tool_parser: ToolParser
     prompt: list[Message]
     _turns: _Turns
     _rollout: asyncio.Task | None
     _answer: asyncio.Future[ParsedTurn] | None
     _seen: int
     """Messages of the conversation already in the sequence."""
+    _tools: list[Tool]
+    """The tools the rollout offers (handed to the parser)."""
     _num_turns: int
     _num_malformed: int
 
-    def __init__(self, env: Any, codec: TextCodec, row: dict[str, Any], tool_parser: str = "hermes") -> None:
+    def __init__(self, env: Any, codec: TextCodec, row: dict[str, Any], tool_parser: ToolParser) -> None:
         self.env, self.codec, self.row, self.tool_parser = env, codec, row, tool_parser
         self.prompt = as_messages(row["prompt"], "the row's prompt")
         self._turns = _Turns()
         self._rollout = None
         self._answer = None
         self._seen = self._num_turns = self._num_malformed = 0
+        self._tools = []
 
     async def _run(self) -> Any:
         env = self.env
@@ -210,13 +229,14 @@ class VerifiersEpisode(Episode):
                 raise ValueError("the verifiers rollout offered other tools than the prompt the learner issued lists "
                                  f"({[t['function']['name'] for t in tools]}; an environment that sets its tools "
                                  "per rollout)")  # fmt: skip
-            self._seen = len(messages)
+            self._seen, self._tools = len(messages), tools
         assert self._answer is not None
-        turn = parse_tool_calls(self.codec.decode(action_ids), self.tool_parser, id_prefix=f"call_{self._num_turns}_")
+        text = self.codec.decode(action_ids, keep=self.tool_parser.keep_tokens)
+        turn = self.tool_parser.parse(text, id_prefix=f"call_{self._num_turns}_", tools=self._tools)
         self._num_turns += 1
         self._num_malformed += turn.num_malformed
         self._answer.set_result(turn)
-        info = {} if self.tool_parser == "none" else {MALFORMED_KEY: float(self._num_malformed)}
+        info = {} if self.tool_parser.read is None else {MALFORMED_KEY: float(self._num_malformed)}
         nxt = await self._next_ask()
         if nxt is None:
             state = self._rollout.result()
@@ -243,6 +263,10 @@ class VerifiersTask(RowsEnvTask):
     env: Any
     codec: TextCodec
     tool_parser: str
+    """``task.env.tool_parser``, ``auto`` resolved to the format the chat template teaches."""
+    _parser: ToolParser | None
+    """Built with the task, except a ``vllm:<name>`` parser on a host without vLLM (a learner's: it never parses),
+    which is built at the first episode and fails there."""
 
     def __init__(self, env_id: str, *, env_args: Mapping[str, Any], codec: TextCodec, seed: int = 0,
                  shuffle: bool = True, max_new_tokens: int = 128, tool_parser: str = "hermes") -> None:  # fmt: skip
@@ -250,7 +274,10 @@ class VerifiersTask(RowsEnvTask):
         load: Any = load_reward_fn(env_id)  # the same 'module:function' import, errors named
         self.env = load(**dict(env_args))
         self.codec, self.seed, self.shuffle, self._max_new_tokens = codec, seed, shuffle, max_new_tokens
-        self.tool_parser = tool_parser
+        tokenizer = codec.tokenizer if isinstance(codec, ChatTemplateCodec) else None
+        self.tool_parser, self._parser = resolve_auto(tool_parser, tokenizer), None
+        if not self.tool_parser.startswith(VLLM_PREFIX) or vllm_available():
+            self._build_parser()  # now: its errors end the process at start
         self.rows, with_tools = self._rows(self.env.get_dataset(), env_id, "dataset")
         if not self.rows:
             raise ValueError(f"task.env.id {env_id!r}: the environment's dataset is empty")
@@ -281,4 +308,12 @@ class VerifiersTask(RowsEnvTask):
         return self.codec.show(prompt_ids)
 
     def episode(self, metadata: Mapping[str, Any]) -> Episode:
-        return VerifiersEpisode(self.env, self.codec, dict(metadata["input"]), self.tool_parser)
+        parser = self._parser or self._build_parser()
+        return VerifiersEpisode(self.env, self.codec, dict(metadata["input"]), parser)
+
+    def _build_parser(self) -> ToolParser:
+        tokenizer = self.codec.tokenizer if isinstance(self.codec, ChatTemplateCodec) else None
+        self._parser = make_tool_parser(self.tool_parser, tokenizer)
+        log.info("task.env.tool_parser=%s: tool calls read by %s parser", self.tool_parser,
+                 "vLLM's" if self._parser.backend == "vllm" else "our own")  # fmt: skip
+        return self._parser
