@@ -89,8 +89,11 @@ class LoadPlan:
                 return False
         return True
 
-    def bind(self, sources: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``(destinations, sources)`` views for :func:`apply`, :func:`coalesced`; ``sources`` must :meth:`match`."""
+    def bind(
+        self, sources: Mapping[str, torch.Tensor], merge: bool = True
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(destinations, sources)`` views for :func:`apply` (``merge``: :func:`coalesced`, else one pair per step);
+        ``sources`` must :meth:`match`."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         params = self.params
@@ -99,7 +102,7 @@ class LoadPlan:
             size, stride, offset = s.dst
             dsts.append(params[s.param].as_strided(size, stride, offset))
             srcs.append(src.as_strided(s.src_size, s.src_stride, src.storage_offset() + s.src_rel))
-        return coalesced(dsts, srcs)
+        return coalesced(dsts, srcs) if merge else (dsts, srcs)
 
     def num_bytes(self) -> int:
         """Bytes one replay writes."""
@@ -177,7 +180,7 @@ def verify_checkpoint(model: torch.nn.Module, chunks: Iterable[Mapping[str, torc
     merged: LoadPlan | None = None
     for chunk in chunks:
         plan = record(model, chunk)
-        dsts, srcs = plan.bind(chunk)
+        dsts, srcs = plan.bind(chunk, merge=False)
         for step, dst, src in zip(plan.steps, dsts, srcs, strict=True):
             if dst.dtype != src.dtype or not torch.equal(dst, src.to(dst.device)):
                 name = plan.names[step.param]

@@ -201,3 +201,11 @@ def test_merged_copies_stay_exact_in_any_bucket_order(seed: int) -> None:
     reference = StackedLayer()
     reference.load_weights(ckpt.items())
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_a_checkpoint_held_in_one_buffer_is_verified_copy_by_copy() -> None:
+    model = StackedLayer()
+    ckpt = packed(checkpoint(0))  # its copies merge when bound: the check still takes them one by one
+    model.load_weights(ckpt.items())
+    plan = verify_checkpoint(model, [ckpt])
+    assert len(plan.bind(ckpt)[0]) < len(plan.steps) == len(plan.bind(ckpt, merge=False)[0])
