@@ -17,8 +17,10 @@ leaves them as written. So:
   platform and backend; where it is not (CPU, whose linear weights are repacked; MoE backends that shuffle
   experts; quantized models), the engine keeps ``reload_weights`` and says why, once.
 * **Bind** (staging, generation going on): every step's source view is taken from the version's tensors.
-* **Apply** (paused): one ``torch._foreach_copy_`` into the parameters' own storage (CUDA graphs keep their
-  addresses); a few milliseconds for 3.3 GB on an H100.
+* **Apply** (paused): one ``torch._foreach_copy_`` per group into the parameters' own storage (CUDA graphs keep
+  their addresses): 3.3 ms for the 1.65B preset's 3,121 copies (3.3 GB) on an H100 (``scripts/gpu/replay_load.py``).
+  Merging the copies that stride evenly through one storage (a layer's experts into one strided copy) was measured
+  slower there (4.3 ms for 81 strided copies) and is not done.
 """
 
 from __future__ import annotations
@@ -32,11 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], int]
 """``(size, stride, storage_offset)`` of a view."""
-
-
-MERGE_CANDIDATES = 8
-"""Steps tried from each copy when merging (:func:`coalesced`): the next few copies of its group in destination
-order (a layer's gate and up halves interleave in ``w13``, so the step to the next like copy is the second)."""
+Bound = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
+"""A plan bound to a version: groups of ``(destinations, sources)`` views of one dtype pair, device pair and
+contiguity each, so each group takes ``_foreach_copy_``'s fused path (one mismatched pair sends a whole call to
+its slow path of one copy per pair: ~7 µs each, 20+ ms for the 1.65B preset's 3,121 copies)."""
 
 
 class PlanRefused(Exception):
@@ -89,74 +90,39 @@ class LoadPlan:
                 return False
         return True
 
-    def bind(
-        self, sources: Mapping[str, torch.Tensor], merge: bool = True
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``(destinations, sources)`` views for :func:`apply` (``merge``: :func:`coalesced`, else one pair per step);
-        ``sources`` must :meth:`match`."""
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        params = self.params
+    def bind(self, sources: Mapping[str, torch.Tensor]) -> Bound:
+        """Every step's ``(destination, source)`` views, grouped for :func:`apply`; ``sources`` must :meth:`match`."""
+        groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for s in self.steps:
-            src = sources[s.source]
-            size, stride, offset = s.dst
-            dsts.append(params[s.param].as_strided(size, stride, offset))
-            srcs.append(src.as_strided(s.src_size, s.src_stride, src.storage_offset() + s.src_rel))
-        return coalesced(dsts, srcs) if merge else (dsts, srcs)
+            d, v = self.view(s, sources)
+            key = (d.dtype, v.dtype, d.device, v.device, d.is_contiguous() and v.is_contiguous())
+            pair = groups.setdefault(key, ([], []))
+            pair[0].append(d)
+            pair[1].append(v)
+        return list(groups.values())
+
+    def view(self, step: Step, sources: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step's ``(destination, source)`` views."""
+        src = sources[step.source]
+        size, stride, offset = step.dst
+        return (self.params[step.param].as_strided(size, stride, offset),
+                src.as_strided(step.src_size, step.src_stride, src.storage_offset() + step.src_rel))  # fmt: skip
 
     def num_bytes(self) -> int:
         """Bytes one replay writes."""
         return sum(int(torch.Size(s.dst[0]).numel()) * self.params[s.param].element_size() for s in self.steps)
 
 
-def coalesced(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The same copies in fewer, larger ones: copies of one shape and strides between the same two storages whose
-    offsets step by the same amounts on both sides (the experts of a layer, from a bucket that holds them in order:
-    ``w13[e, :I] <- gate_e`` for every ``e``) become one copy of views with a leading dimension of that step."""
-    groups: dict[tuple, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
-    for d, s in zip(dsts, srcs, strict=True):
-        key = (d.untyped_storage().data_ptr(), s.untyped_storage().data_ptr(), d.device, s.device, d.dtype, s.dtype,
-               tuple(d.shape), d.stride(), s.stride())  # fmt: skip
-        groups.setdefault(key, []).append((int(d.storage_offset()), int(s.storage_offset()), d, s))
-    out_d: list[torch.Tensor] = []
-    out_s: list[torch.Tensor] = []
-    for items in groups.values():
-        d0 = items[0][2]
-        extent = 1 + sum((size - 1) * stride for size, stride in zip(d0.shape, d0.stride(), strict=True))
-        left = {(d, s): (dv, sv) for d, s, dv, sv in items}
-        order = sorted(left)
-        for first in order:
-            if first not in left:
-                continue
-            run = [first]  # the longest even run from ``first``, trying the steps to the next few copies
-            later = [k for k in order if k[0] > first[0] and k in left][:MERGE_CANDIDATES]
-            for cand in later:
-                step = (cand[0] - first[0], cand[1] - first[1])
-                if step[0] < extent or step[1] < 0:  # destinations would overlap; no negative strides
-                    continue
-                trial = [first]
-                while (first[0] + len(trial) * step[0], first[1] + len(trial) * step[1]) in left:
-                    trial.append((first[0] + len(trial) * step[0], first[1] + len(trial) * step[1]))
-                if len(trial) > len(run):
-                    run = trial
-            dv, sv = left[first]
-            for k in run:
-                del left[k]
-            if len(run) == 1:
-                out_d.append(dv)
-                out_s.append(sv)
-                continue
-            sd, ss = run[1][0] - run[0][0], run[1][1] - run[0][1]
-            out_d.append(dv.as_strided((len(run), *dv.shape), (sd, *dv.stride()), first[0]))
-            out_s.append(sv.as_strided((len(run), *sv.shape), (ss, *sv.stride()), first[1]))
-    return out_d, out_s
-
-
-def apply(bound: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
-    """Replay a bound plan: every destination view gets its source's values (one batched copy)."""
-    dsts, srcs = bound
+def apply(bound: Bound) -> None:
+    """Replay a bound plan: every destination view gets its source's values, one batched copy per group."""
     with torch.no_grad():
-        torch._foreach_copy_(dsts, srcs)
+        for dsts, srcs in bound:
+            torch._foreach_copy_(dsts, srcs)
+
+
+def describe(bound: Bound) -> list[str]:
+    """One line per group: its copies, dtypes and whether all are contiguous (for the logs)."""
+    return [f"{len(d)} x {d[0].dtype}<-{s[0].dtype}{'' if d[0].is_contiguous() else ' strided'}" for d, s in bound]
 
 
 def record(model: torch.nn.Module, sources: Mapping[str, torch.Tensor]) -> LoadPlan:
@@ -180,8 +146,8 @@ def verify_checkpoint(model: torch.nn.Module, chunks: Iterable[Mapping[str, torc
     merged: LoadPlan | None = None
     for chunk in chunks:
         plan = record(model, chunk)
-        dsts, srcs = plan.bind(chunk, merge=False)
-        for step, dst, src in zip(plan.steps, dsts, srcs, strict=True):
+        for step in plan.steps:
+            dst, src = plan.view(step, chunk)
             if dst.dtype != src.dtype or not torch.equal(dst, src.to(dst.device)):
                 name = plan.names[step.param]
                 raise PlanRefused(f"{name} differs from {step.source} after vLLM loaded it (processed after loading)")

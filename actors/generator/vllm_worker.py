@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from actors.generator.vllm_load_plan import LoadPlan, PlanRefused, apply, record, verify_checkpoint
+from actors.generator.vllm_load_plan import Bound, LoadPlan, PlanRefused, apply, describe, record, verify_checkpoint
 from actors.generator.weight_handover import Handle, map_weights
 from async_rl.model.moe import route_dtype
 
@@ -149,7 +149,7 @@ class _Staged(NamedTuple):
     staging slot holding them (-1: none, a host version)."""
 
     named: list[tuple[str, torch.Tensor]]
-    bound: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+    bound: Bound | None
     slot: int
 
 
@@ -159,7 +159,7 @@ class _Slot(NamedTuple):
     layout: tuple
     buffers: list[torch.Tensor]
     named: list[tuple[str, torch.Tensor]]
-    bound: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+    bound: Bound | None
     plan: LoadPlan | None
     """The plan ``bound`` was bound to (a re-recorded plan invalidates it)."""
 
@@ -248,7 +248,8 @@ class ArlWorkerExtension:
                 except PlanRefused as exc:
                     plan, how = None, f"reload: {exc}"
             if plan is not None:
-                bound, how = plan.bind(tensors), "replay"
+                bound = plan.bind(tensors)
+                how = f"replay ({', '.join(describe(bound))})"
         staged[version] = _Staged(named, bound, slot)
         for old in sorted(staged)[:-STAGED_KEPT]:
             del staged[old]
@@ -301,7 +302,7 @@ class ArlWorkerExtension:
         if reuse:
             assert held is not None
             staged[version] = _Staged(held.named, held.bound, slot)
-            how = {"load": "replay" if held.bound is not None else "reload"}
+            how = {"load": "replay (staged before)" if held.bound is not None else "reload"}
         else:
             self._arl_slots.pop(slot, None)
             tensors = self._arl_weights.prepare(assemble(m, buffers, device))

@@ -1,7 +1,10 @@
-"""Time the replayed in-place load (actors/generator/vllm_load_plan.py) on a GPU at the moe-1.6b shapes, merged
-against unmerged, without vLLM: parameters laid out as vLLM's Qwen3-MoE holds them (stacked q/k/v, experts in
-``w13 [E, 2I, H]`` / ``w2 [E, H, I]``), loaded by loaders that slice and copy as vLLM's do, from one flat bucket per
-layer in checkpoint order (what the learner publishes).
+"""Time the replayed in-place load (actors/generator/vllm_load_plan.py) on a GPU at the moe-1.6b shapes, without
+vLLM: parameters laid out as vLLM's Qwen3-MoE holds them (stacked q/k/v, experts in ``w13 [E, 2I, H]`` /
+``w2 [E, H, I]``), loaded by loaders that slice and copy as vLLM's do, from one flat bf16 buffer in checkpoint
+order (what the learner publishes), with the embedding published in float32 (one pair of other dtypes). Three
+ways: the plan's groups (``load_s``), every pair in one ``_foreach_copy_`` call (``load_s_one_call``: the
+float32 pair sends the call to its slow path), and the experts of a layer merged into strided copies
+(``load_s_strided``: one copy per layer and kind).
 
     python3 scripts/gpu/replay_load.py --json OUT.json
 """
@@ -15,7 +18,7 @@ import time
 
 import torch
 
-from actors.generator.vllm_load_plan import apply, verify_checkpoint
+from actors.generator.vllm_load_plan import apply, describe, record, verify_checkpoint
 
 LAYERS, E, H, FFN, Q, KV, VOCAB = 16, 64, 1024, 512, 1024, 256, 32  # moe-1.6b (its char vocabulary)
 
@@ -73,14 +76,15 @@ def bucket(device: str, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def timed(bound: tuple[list[torch.Tensor], list[torch.Tensor]], repeats: int = 10) -> float:
+def timed(bound: list[tuple[list[torch.Tensor], list[torch.Tensor]]], repeats: int = 10) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     apply(bound)
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         apply(bound)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -88,26 +92,42 @@ def timed(bound: tuple[list[torch.Tensor], list[torch.Tensor]], repeats: int = 1
 def main() -> None:
     p = argparse.ArgumentParser(description="Time the replayed in-place load at the moe-1.6b shapes on a GPU.")
     p.add_argument("--json", required=True, help="where the summary goes")
+    p.add_argument("--device", default="cuda", help="cuda (what it is for) or cpu (to try it)")
+    p.add_argument("--small", action="store_true", help="tiny shapes (to try it)")
     args = p.parse_args()
-    device = "cuda"
+    device = args.device
+    if args.small:
+        global LAYERS, E, H, FFN, Q, KV
+        LAYERS, E, H, FFN, Q, KV = 2, 4, 16, 8, 16, 4
     model = Layers(device)
     first = bucket(device, 0)
     model.load_weights(first.items())
     plan = verify_checkpoint(model, [first])
     version = bucket(device, 1)
-    merged = plan.bind(version)
-    single = ([], [])  # the same copies one by one
-    for s in plan.steps:
-        src = version[s.source]
-        single[0].append(plan.params[s.param].as_strided(*s.dst))
-        single[1].append(src.as_strided(s.src_size, s.src_stride, src.storage_offset() + s.src_rel))
-    t_single, t_merged = timed(single), timed(merged)
+    version["emb"] = version["emb"].float()
+    plan = record(model, version)
+    grouped = plan.bind(version)
+    pairs = [plan.view(s, version) for s in plan.steps]
+    one_call = [([d for d, _ in pairs], [v for _, v in pairs])]
+    strided = []  # per layer: q, k, v as they are; gate, up, down of all experts as one strided copy each
+    for layer in range(LAYERS):
+        w13, w2 = model.w13[layer].data, model.w2[layer].data
+        first = version[f"l.{layer}.x.0.gate"]
+        step = 3 * FFN * H  # gate, up, down of one expert, then the next expert's
+        flat = first.as_strided((E, FFN, H), (step, H, 1))
+        strided.append(([w13[:, :FFN]], [flat]))
+        strided.append(
+            ([w13[:, FFN:]], [first.as_strided((E, FFN, H), (step, H, 1), first.storage_offset() + FFN * H)])
+        )
+        strided.append(([w2], [first.as_strided((E, H, FFN), (step, FFN, 1), first.storage_offset() + 2 * FFN * H)]))
+    t_grouped, t_one, t_strided = timed(grouped), timed(one_call), timed(strided)
+    apply(grouped)
     reference = Layers(device)
     reference.load_weights(version.items())
     exact = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
-    out = {"bench": "replay_load", "machine": f"{torch.cuda.get_device_name(0)}; {platform.platform()}",
-           "bytes": plan.num_bytes(), "steps": len(plan.steps), "copies_merged": len(merged[0]),
-           "load_s_single": t_single, "load_s_merged": t_merged, "merged_over_single": t_merged / t_single,
+    out = {"bench": "replay_load", "machine": f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}; {platform.platform()}",
+           "bytes": plan.num_bytes(), "steps": len(plan.steps), "groups": describe(grouped),
+           "load_s": t_grouped, "load_s_one_call": t_one, "load_s_strided_experts_only": t_strided,
            "exact": exact}  # fmt: skip
     print(json.dumps(out, indent=1))
     with open(args.json, "w") as f:
