@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-PRESET_NAMES = ("tiny-moe", "tiny-dense", "small-moe", "moe-107m", "moe-1.6b")
+PRESET_NAMES = ("tiny-moe", "tiny-dense", "small-moe", "moe-107m", "moe-1.6b", "moe-5b")
 """Built-in random-init model presets (built by :data:`async_rl.model.presets.PRESETS`)."""
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """Parameter dtypes a model can be loaded in."""

@@ -11,6 +11,9 @@ weights) paired with the char-level tokenizer of :mod:`async_rl.model.toy_tokeni
 * ``small-moe``: 4 layers, hidden 128, 8 experts, top-2 (about 1.8M parameters).
 * ``moe-107m``: 8 layers, hidden 512, 32 experts, top-4 (107M parameters): the GPU benchmark model.
 * ``moe-1.6b``: 16 layers, hidden 1024, 64 experts, top-8 (1.65B parameters, 3.3 GB in bf16): the weight path's.
+* ``moe-5b``: 24 layers, hidden 2048, 64 experts, top-8 (5.06B parameters, 10.1 GB in bf16): the node's (issue 39).
+  Its training state does not fit one 80 GB GPU: Megatron's mixed precision keeps 18 bytes a parameter (bf16
+  weights, fp32 gradients, fp32 main weights, Adam's two moments), 91 GB; with EP=2 each rank holds half the experts.
 
 Head dimensions are 32 or more: vLLM's CPU attention backend takes head sizes 32, 64, 80, ...
 Anything else is a path to a local Hugging Face model directory (config, safetensors,
@@ -106,6 +109,14 @@ def moe_1_6b_config(**overrides: Any) -> Qwen3MoeConfig:
     return _moe_config(hidden=1024, intermediate=2048, layers=16, experts=64, **{**kw, **overrides})
 
 
+def moe_5b_config(**overrides: Any) -> Qwen3MoeConfig:
+    """The node's model (``scripts/gpu/node.sh``: a learner on two GPUs, EP=2): 24 layers, hidden 2048, 64 experts
+    top-8 (expert FFN 512), 32 query / 4 KV heads of 64; 5.06B parameters, 10.1 GB in bf16; the char vocabulary."""
+    kw: dict[str, Any] = dict(num_attention_heads=32, num_key_value_heads=4, head_dim=64, num_experts_per_tok=8,
+                              moe_intermediate_size=512)  # fmt: skip
+    return _moe_config(hidden=2048, intermediate=4096, layers=24, experts=64, **{**kw, **overrides})
+
+
 def tiny_dense_config(**overrides: Any) -> Qwen3Config:
     """The dense twin of ``tiny-moe`` (Qwen3, 2 layers, hidden 64, MLP 256)."""
     kw = _common(
@@ -126,6 +137,7 @@ PRESETS: dict[str, Callable[..., PretrainedConfig]] = {
     "small-moe": small_moe_config,
     "moe-107m": moe_107m_config,
     "moe-1.6b": moe_1_6b_config,
+    "moe-5b": moe_5b_config,
 }
 """Preset name -> config factory."""
 assert tuple(PRESETS) == PRESET_NAMES and tuple(DTYPES) == DTYPE_NAMES, "async_rl/model/config.py names them"

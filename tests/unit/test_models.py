@@ -128,3 +128,26 @@ async def test_tiny_moe_learns_copy_from_scratch():
     assert np.mean(curve[:5]) < 0.1
     assert np.mean(curve[-10:]) > 0.3, curve
     await engine.close()
+
+
+@pytest.mark.parametrize(("name", "low", "high"), [("moe-1.6b", 1.60e9, 1.70e9), ("moe-5b", 4.0e9, 6.0e9)])
+def test_big_presets_parameter_counts_on_the_meta_device(name: str, low: float, high: float) -> None:
+    """The GPU presets' sizes as their docstrings state them, counted without allocating a weight: moe-5b's
+    training state (18 bytes a parameter under Megatron's mixed precision) does not fit one 80 GB GPU."""
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.model.config import PRESET_NAMES
+    from async_rl.model.presets import PRESETS, preset_config
+
+    assert tuple(PRESETS) == PRESET_NAMES and name in PRESET_NAMES
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config(name))
+    assert all(p.is_meta for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters())
+    assert low < num_params < high, num_params
+    if name == "moe-5b":
+        assert num_params == 5_061_669_888
+        assert num_params * 18 > 80e9
+        cfg = model.config
+        assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok) == (24, 2048, 64, 8)
+        assert num_moe_layers(cfg) == 24 and cfg.num_experts % 2 == 0  # EP=2 splits the experts evenly

@@ -22,13 +22,17 @@ per generator; ``version_to_staged_s`` likewise to its hand-over to the engine, 
 the GPU or the CPU), ``learner_idle_frac`` (time waiting
 for rollouts), ``generator_idle_frac`` (time not generating, from the
 heartbeats' ``generate_s``), ``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
-``peak_memory_gib`` (the learner's, GPU), ``tracebacks`` (lines in any process log; a clean run has none); with
+``peak_memory_gib`` (the learner's, GPU), ``learner_tokens_per_s_per_gpu`` and ``generator_tokens_per_s_per_gpu``
+(each side's tokens/s over its GPUs: the learner's ranks, the generators' distinct devices; on CUDA), ``tracebacks`` (lines in any process log; a clean run has none); with
 ``--target``, ``wall_to_target_s`` and ``steps_to_target``.
 
 ``moe-107m`` is the GPU benchmark model of the publishing and Megatron issues (a preset: every process builds
 the same seeded weights): Qwen3-MoE, 8 layers, hidden 512, 32 experts top-4, 107M parameters, 214 MB in bf16.
 ``moe-1.6b`` is the weight path's: 16 layers, hidden 1024, 64 experts top-8, 1.65B parameters, 3.3 GB in bf16
 (``--generator-devices cuda:0,cuda:1`` puts one generator beside the learner and one on the second GPU).
+``moe-5b`` is the node's (``scripts/gpu/node.sh``): 24 layers, hidden 2048, 64 experts top-8, 5.06B parameters, 10.1 GB
+in bf16; its training state does not fit one GPU, so its learner runs with ``--learner-nproc 2`` (EP=2) on GPUs 0-1
+and its vLLM generators on the others (``--generator-devices cuda:2,cuda:3``). Learner rank r runs on GPU r.
 ``--generator-engine vllm`` runs vLLM generators instead (each sees only its GPU); the summary names the engine
 (``generator_engine``).
 """
@@ -48,7 +52,7 @@ from typing import Any
 
 from async_rl.entry import first_sentence
 
-MODELS = ("tiny-moe", "small-moe", "moe-107m", "moe-1.6b")
+MODELS = ("tiny-moe", "small-moe", "moe-107m", "moe-1.6b", "moe-5b")
 """Presets (``async_rl/model/presets.py``); any other value: a model directory."""
 LEARNER_DEFAULTS = ["task.name=copy", "batch_groups=32", "sampling.n=8", "checkpoint.every=10",
                     "metrics.wandb_mode=disabled", "staleness.max_staleness=2"]  # fmt: skip
@@ -90,6 +94,14 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
         p.error("--learner-nproc > 1 needs --backend megatron")
     if args.model not in MODELS and not Path(args.model, "config.json").is_file():
         p.error(f"--model must be one of {', '.join(MODELS)} or a model directory with a config.json: {args.model!r}")
+    if args.generator_engine == "vllm":
+        wrong = [d for d in generator_devices(args) if not (d == "cuda" or d.startswith("cuda:") and d[5:].isdigit())]
+        if wrong:
+            p.error(f"--generator-devices: each a cuda:N for vLLM generators, got {wrong[0]!r}")
+        num_gpus = _cuda_device_count()
+        beyond = [d for d in generator_devices(args) if d.startswith("cuda:") and int(d[5:]) >= num_gpus]
+        if beyond:
+            p.error(f"--generator-devices names {beyond[0]}, but {num_gpus} GPUs are visible")
     return args
 
 
@@ -113,15 +125,15 @@ def commands(args: argparse.Namespace, model: str, prefix: str, redis_url: str, 
     else:
         learner_cmd = [sys.executable, "-m", "actors.commands", "learner", *learner]
     gens = []
-    devices = [d for d in args.generator_devices.split(",") if d] or [args.device]
-    for i in range(args.generators):
-        device = devices[i % len(devices)]
+    num_gpus = _cuda_device_count() if args.generator_engine == "vllm" else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    for i, device in enumerate(generator_devices(args)):
         launch = [sys.executable, "-m", "actors.commands", "generator"]
         if args.generator_engine == "vllm":
             g = [*common, f"generator_id=gen-{i}", "task.name=copy", "engine=vllm", f"vllm.model.name={model}",
                  "vllm.model.dtype=bfloat16", *args.generator]  # fmt: skip
             if device.startswith("cuda:"):  # vLLM runs on the first visible GPU; the others stay visible for IPC
-                launch = ["env", f"CUDA_VISIBLE_DEVICES={_gpu_first(int(device.split(':', 1)[1]))}", *launch]
+                launch = ["env", f"CUDA_VISIBLE_DEVICES={gpu_first(int(device[5:]), num_gpus, visible)}", *launch]
             gens.append([*launch, *g])
             continue
         g = [*common, f"generator_id=gen-{i}", "task.name=copy", f"torch.model.name={model}",
@@ -132,12 +144,39 @@ def commands(args: argparse.Namespace, model: str, prefix: str, redis_url: str, 
     return learner_cmd, gens
 
 
-def _gpu_first(index: int) -> str:
-    """``CUDA_VISIBLE_DEVICES`` with GPU ``index`` first and every other GPU after it (so a vLLM generator runs on
-    ``index`` and can still map the learner's weight buffers on the others over CUDA IPC)."""
+def generator_devices(args: argparse.Namespace) -> list[str]:
+    """Each generator's device in turn: ``--generator-devices`` round-robin, else ``--device``."""
+    devices = [d for d in args.generator_devices.split(",") if d] or [args.device]
+    return [devices[i % len(devices)] for i in range(args.generators)]
+
+
+def gpu_first(index: int, num_gpus: int, visible: str | None = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` with GPU ``index`` first and every other of ``num_gpus`` after it (so a vLLM generator
+    runs on ``index`` and can still map the learner's weight buffers on the others over CUDA IPC: learner rank r
+    is on GPU r, ``torchrun`` giving each rank its ``LOCAL_RANK`` with every GPU visible). ``visible``: this
+    process's own ``CUDA_VISIBLE_DEVICES``, when set: ``index`` counts in it, as torch and the learner's ranks do."""
+    ids = [v.strip() for v in visible.split(",") if v.strip()][:num_gpus] if visible else []
+    ids = ids or [str(i) for i in range(num_gpus)]
+    return ",".join([ids[index], *(d for j, d in enumerate(ids) if j != index)])
+
+
+def _cuda_device_count() -> int:
     import torch
 
-    return ",".join(str(i) for i in [index, *(j for j in range(torch.cuda.device_count()) if j != index)])
+    return torch.cuda.device_count()
+
+
+def per_gpu_rates(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, float | None]:
+    """Each side's tokens/s per GPU: the learner's over its ranks (one GPU each), the generators' over the distinct
+    GPUs they run on (a generator with ``vllm.tensor_parallel_size=N`` counts N); None on the CPU."""
+    if args.device != "cuda":
+        return {"learner_tokens_per_s_per_gpu": None, "generator_tokens_per_s_per_gpu": None}
+    tp = next((int(o.split("=", 1)[1]) for o in reversed(args.generator)
+               if o.startswith("vllm.tensor_parallel_size=")), 1)  # fmt: skip
+    num_generator_gpus = len(set(generator_devices(args))) * tp
+    learner, generator = summary.get("learner_tokens_per_s"), summary.get("generator_tokens_per_s")
+    return {"learner_tokens_per_s_per_gpu": learner / args.learner_nproc if learner is not None else None,
+            "generator_tokens_per_s_per_gpu": generator / num_generator_gpus if generator is not None else None}  # fmt: skip
 
 
 def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any], warmup: int, t0: float,
@@ -348,4 +387,5 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
         **summarize(events, beats, args.warmup_steps, t0, args.target), "tracebacks": tracebacks(run_dir),
         "run_dir": str(run_dir),
     }  # fmt: skip
+    summary.update(per_gpu_rates(summary, args))
     return summary

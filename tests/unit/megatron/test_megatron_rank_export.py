@@ -68,7 +68,10 @@ def _assemble(ranks: list[list[Piece]], want: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize(
     "tp, pp, dp, ep, etp",
     [(1, 1, 1, 1, 1), (2, 1, 1, 1, 1), (1, 2, 1, 1, 1), (1, 1, 2, 2, 1), (2, 1, 1, 2, 1), (2, 2, 2, 2, 1),
-     (2, 1, 2, 2, 2), (1, 1, 4, 2, 1)],
+     (2, 1, 2, 2, 2), (1, 1, 4, 2, 1),
+     # the 4-GPU layouts of run_layouts.sh x4 (issue 39): EP=4, PP=2 x EP=2, TP=2 x EP=2 with expert TP 1 (megatron's
+     # default expert TP = TP is (2, 1, 2, 2, 2) above; DP=2 x EP=2 is (1, 1, 4, 2, 1))
+     (1, 1, 4, 4, 1), (1, 2, 2, 2, 1), (2, 1, 2, 2, 1)],
 )  # fmt: skip
 def test_every_layout_tiles_the_export_exactly_once(build, tp: int, pp: int, dp: int, ep: int, etp: int) -> None:  # type: ignore[no-untyped-def]
     for fused in (True, False):

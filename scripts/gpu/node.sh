@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One node, four GPUs (issue 39): the node recipe in one device call, on moe-5b (5.06B parameters: its training state,
+# 18 bytes a parameter, does not fit one GPU). A Megatron learner on GPUs 0-1 (2 ranks, EP=2), a vLLM generator on
+# each of GPUs 2 and 3 taking every version over CUDA IPC from the learner's GPUs; NODE_STEPS (default 60) steps.
+#   source scripts/gpu/setup.sh && source scripts/gpu/vllm_unpack.sh && scripts/gpu/node.sh OUT
+# Writes OUT/node-<gpu>x4-moe-5b-megatron-vllm-<date>.json (bench loop's summary: learner_nproc, generator_engine,
+# learner_idle_frac, generator_idle_frac, learner_ and generator_tokens_per_s_per_gpu, version_to_applied_s),
+# OUT/node.log (bench loop's output) and OUT/node-process-logs.txt (the tail of each process's log, then every
+# "vLLM engine: version" line of the generators: each swap's breakdown).
+# Checkpoints every NODE_CHECKPOINT_EVERY=1000 steps, i.e. only the final one: a Megatron checkpoint of this model
+# takes tens of seconds and the generators idle meanwhile. The generators keep NODE_GEN_MEM=0.75 of their GPU for
+# vLLM (weights 10.1 GB, KV cache, graphs): the rest is room for the version being staged beside the live weights.
+# The distributed optimizer is not in the Megatron backend yet (docs/megatron.md): at EP=2 on two ranks the experts
+# (95 % of the parameters) have one replica each, so it would shard only the dense 5 % (its fp32 copy and Adam state: about 1.4 GB a rank).
+set -uo pipefail
+out=${1:?usage: node.sh OUT}
+mkdir -p "$out"
+n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$n" -lt 4 ]; then echo "node.sh: needs 4 GPUs, $n visible" >&2; exit 2; fi
+gpu=$(python3 -c "import torch; n=torch.cuda.device_count(); print(torch.cuda.get_device_name(0).split()[1].lower() + 'x' + str(n))")
+day=$(date +%Y-%m-%d)
+run_dir=/tmp/run-node-$(date +%s)  # a fresh one: bench loop refuses a directory that holds a run
+json="$out/node-$gpu-moe-5b-megatron-vllm-$day.json"
+timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model moe-5b --device cuda --backend megatron \
+    --learner-nproc 2 --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8.5} \
+    --generators 2 --generator-engine vllm --generator-devices cuda:2,cuda:3 \
+    --learner megatron.expert_parallel=2 --learner megatron.lr=1e-5 --learner checkpoint.every=${NODE_CHECKPOINT_EVERY:-1000} \
+    --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.75} \
+    --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
+rc=$?
+tail -5 "$out/node.log"
+for f in "$run_dir"/*.log; do echo "== $f"; grep -v " DEBUG " "$f" | tail -12; done > "$out/node-process-logs.txt"
+grep -h "vLLM engine: version" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
+tail -40 "$out/node-process-logs.txt"
+python3 - "$json" <<'PY' || true
+import json, sys
+s = json.load(open(sys.argv[1]))
+keys = ("outcome", "steps", "learner_nproc", "generator_engine", "steps_per_s", "train_s", "learner_idle_frac",
+        "generator_idle_frac", "learner_tokens_per_s_per_gpu", "generator_tokens_per_s_per_gpu",
+        "version_to_applied_s", "peak_memory_gib", "tracebacks")
+print({k: s.get(k) for k in keys})
+PY
+exit $rc

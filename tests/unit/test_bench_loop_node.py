@@ -1,0 +1,59 @@
+"""``bench loop`` on one node of four GPUs: which GPU each process gets, and the per-GPU rates of its summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from actors.commands.bench import loop
+
+NODE = ["--json", "x.json", "--model", "moe-5b", "--device", "cuda", "--backend", "megatron", "--learner-nproc", "2",
+        "--generators", "2", "--generator-engine", "vllm", "--generator-devices", "cuda:2,cuda:3"]  # fmt: skip
+
+
+@pytest.fixture
+def four_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop, "_cuda_device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_node_recipe_puts_learner_ranks_on_gpus_0_1_and_each_generator_first_on_its_own(four_gpus: None) -> None:
+    args = loop.parse_args(NODE, "bench loop")
+    learner, gens = loop.commands(args, args.model, "p", "redis://r", "nats://n", Path("/tmp/run"))
+    assert learner[1:5] == ["--standalone", "--nproc-per-node", "2", "-m"] and "backend=megatron" in learner
+    assert "model.name=moe-5b" in learner
+    assert [g[:2] for g in gens] == [["env", "CUDA_VISIBLE_DEVICES=2,0,1,3"], ["env", "CUDA_VISIBLE_DEVICES=3,0,1,2"]]
+    assert all("engine=vllm" in g and "vllm.model.name=moe-5b" in g for g in gens)
+    assert [g[g.index("engine=vllm") - 2] for g in gens] == ["generator_id=gen-0", "generator_id=gen-1"]
+
+
+def test_generator_gpus_count_in_the_benchs_own_visible_devices(four_gpus: None, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the node's four of an eight-GPU host
+    args = loop.parse_args(NODE, "bench loop")
+    _, gens = loop.commands(args, args.model, "p", "redis://r", "nats://n", Path("/tmp/run"))
+    assert [g[1] for g in gens] == ["CUDA_VISIBLE_DEVICES=6,4,5,7", "CUDA_VISIBLE_DEVICES=7,4,5,6"]
+    assert loop.gpu_first(1, 2, None) == "1,0"  # the two-GPU recipe (scripts/gpu/vllm.sh) as before
+
+
+@pytest.mark.parametrize(("devices", "message"), [("cuda:2,cuda:4", "names cuda:4, but 4 GPUs"),
+                                                   ("cuda:2,cpu", "each a cuda:N")])  # fmt: skip
+def test_generator_devices_beyond_the_node_are_refused(four_gpus: None, devices: str, message: str, capsys) -> None:
+    argv = [*NODE[:-1], devices]
+    with pytest.raises(SystemExit):
+        loop.parse_args(argv, "bench loop")
+    assert message in capsys.readouterr().err
+
+
+def test_per_gpu_rates_divide_by_learner_ranks_and_distinct_generator_gpus(four_gpus: None) -> None:
+    args = loop.parse_args(NODE, "bench loop")
+    rates = loop.per_gpu_rates({"learner_tokens_per_s": 3000.0, "generator_tokens_per_s": 9000.0}, args)
+    assert rates == {"learner_tokens_per_s_per_gpu": 1500.0, "generator_tokens_per_s_per_gpu": 4500.0}
+    shared = loop.parse_args([*NODE[:-1], "cuda:2,cuda:2", "--generator", "vllm.tensor_parallel_size=2"], "bench loop")
+    rates = loop.per_gpu_rates({"learner_tokens_per_s": 3000.0, "generator_tokens_per_s": 9000.0}, shared)
+    assert rates["generator_tokens_per_s_per_gpu"] == 4500.0  # one device, two GPUs under TP=2
+    assert loop.per_gpu_rates({"learner_tokens_per_s": None}, args) == {
+        "learner_tokens_per_s_per_gpu": None, "generator_tokens_per_s_per_gpu": None}  # fmt: skip
+    cpu = loop.parse_args(["--json", "x.json"], "bench loop")
+    assert loop.per_gpu_rates({"learner_tokens_per_s": 10.0, "generator_tokens_per_s": 10.0}, cpu) == {
+        "learner_tokens_per_s_per_gpu": None, "generator_tokens_per_s_per_gpu": None}  # fmt: skip
