@@ -1,0 +1,131 @@
+"""Time the vLLM engine's weight swaps on one GPU while it generates: the ``moe-1.6b`` preset with CUDA graphs,
+versions published into GPU slots by a ``GpuPublisher`` in this process (the learner's side, the preset's weights
+and half of them in turn) and copied by the engine's worker over CUDA IPC, as a generator on the learner's host takes them. No
+learner trains here: the figures are the swap's own (pause, in-worker load, copy), not a loop's.
+
+    python3 scripts/gpu/vllm_swap.py --json OUT.json [--swaps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def _p(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    import redis.asyncio as aioredis
+    import torch
+    from safetensors.torch import load_file
+
+    from actors.generator.config import VLLMEngineConfig
+    from actors.generator.engine import SamplingParams
+    from actors.generator.vllm_engine import VLLMEngine
+    from async_rl.model.config import ModelConfig
+    from async_rl.model.presets import save_pretrained_dir
+    from async_rl.run.names import Names
+    from async_rl.servers.embedded import start_redis
+    from async_rl.weights.config import PublisherConfig
+    from async_rl.weights.gpu.publisher import GpuPublisher, local_slots
+    from async_rl.weights.gpu.reader import GpuReader
+
+    root = Path(tempfile.mkdtemp(prefix="arl-vllm-swap-"))
+    model_dir = save_pretrained_dir(root / "a", preset=args.model, seed=0, dtype="bfloat16")
+    server = start_redis()
+    redis = aioredis.Redis.from_url(server.url)
+    t0 = time.perf_counter()
+    engine = await asyncio.to_thread(VLLMEngine, VLLMEngineConfig(
+        model=ModelConfig(name=str(model_dir), dtype="bfloat16"), max_batch_prompts=args.prompts,
+        max_num_seqs=args.prompts, max_model_len=256, gpu_memory_utilization=args.gpu_memory_utilization,
+        stop_on_eos=False))  # fmt: skip
+    await engine.ready()
+    startup_s = time.perf_counter() - t0
+    a = {k: v.cuda() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    weights = [a, {k: v * 0.5 for k, v in a.items()}]  # B: other values, the same layout (values do not matter here)
+    names = Names(prefix=f"swap-{uuid.uuid4().hex[:8]}")
+    cfg = PublisherConfig(gpu_dtype="bfloat16")
+    pub = GpuPublisher(redis, names, cfg, local_slots("cuda:0", cfg))
+    await pub.clean()
+    reader = GpuReader(redis, names, None)
+    copier = engine.gpu_copier()
+    assert copier is not None
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 22, 16).astype(np.int32) for _ in range(args.prompts)]
+    params = SamplingParams(max_new_tokens=200, temperature=1.0, mask_special_tokens=False)
+    await engine.generate(prompts[:8], SamplingParams(max_new_tokens=16, mask_special_tokens=False))  # warm-up
+    done = asyncio.Event()
+    tokens = 0
+
+    async def generating() -> None:
+        nonlocal tokens
+        while not done.is_set():
+            out = await engine.generate(prompts, params)
+            tokens += sum(int(c.token_ids.size) for group in out for c in group)
+
+    gen = asyncio.ensure_future(generating())
+    pauses, loads, copies, applied = [], [], [], []
+    t1 = time.perf_counter()
+    try:
+        await asyncio.sleep(1.0)  # generation under way
+        for i in range(args.swaps):
+            version = i + 1
+            tensors = weights[version % 2]
+            assert await pub.offer(version, lambda t=tensors: t.items())
+            await pub.wait_idle()
+            t_pub = time.perf_counter()
+            await reader.fetch(version, copy=copier)
+            engine.stage_copied(version)
+            assert await engine.wait_applied(version, 60.0), engine.last_stage_error
+            applied.append(time.perf_counter() - t_pub)
+            pauses.append(engine.last_swap_pause_s)
+            loads.append(engine.last_load_s)
+            copies.append(engine.last_stage_s)
+            await asyncio.sleep(args.interval_s)
+    finally:
+        done.set()
+        await gen
+        wall_s = time.perf_counter() - t1
+        await engine.close()
+        await redis.aclose()
+        server.stop()
+    ms = 1e3
+    return {
+        "bench": "vllm_swap", "machine": f"{torch.cuda.get_device_name(0)}; {platform.platform()}",
+        "model": args.model, "swaps": len(pauses), "swap_load": engine.swap_load, "startup_s": round(startup_s, 1),
+        "swap_pause_ms": {"p50": _p(pauses, 0.5) * ms, "p95": _p(pauses, 0.95) * ms, "max": max(pauses) * ms},
+        "load_ms": {"p50": _p(loads, 0.5) * ms, "p95": _p(loads, 0.95) * ms},
+        "copy_ms": {"p50": _p(copies, 0.5) * ms, "p95": _p(copies, 0.95) * ms},
+        "published_to_applied_ms": {"p50": _p(applied, 0.5) * ms, "p95": _p(applied, 0.95) * ms},
+        "generated_tokens_per_s": tokens / wall_s, "mean_pause_ms": statistics.fmean(pauses) * ms,
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Time the vLLM engine's weight swaps on one GPU while it generates.")
+    p.add_argument("--json", required=True, help="where the summary goes")
+    p.add_argument("--model", default="moe-1.6b", help="a preset (default moe-1.6b)")
+    p.add_argument("--swaps", type=int, default=30, help="versions swapped in (default 30)")
+    p.add_argument("--prompts", type=int, default=128, help="prompts generating meanwhile, 200 tokens each")
+    p.add_argument("--interval-s", type=float, default=0.3, help="seconds between versions (default 0.3)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.45, help="vLLM's share of the GPU")
+    args = p.parse_args()
+    out = asyncio.run(run(args))
+    print(json.dumps(out, indent=1))
+    Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
