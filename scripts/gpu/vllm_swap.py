@@ -114,6 +114,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the engine's swap lines
     p = argparse.ArgumentParser(description="Time the vLLM engine's weight swaps on one GPU while it generates.")
     p.add_argument("--json", required=True, help="where the summary goes")
     p.add_argument("--model", default="moe-1.6b", help="a preset (default moe-1.6b)")
