@@ -57,3 +57,16 @@ def test_per_gpu_rates_divide_by_learner_ranks_and_distinct_generator_gpus(four_
     cpu = loop.parse_args(["--json", "x.json"], "bench loop")
     assert loop.per_gpu_rates({"learner_tokens_per_s": 10.0, "generator_tokens_per_s": 10.0}, cpu) == {
         "learner_tokens_per_s_per_gpu": None, "generator_tokens_per_s_per_gpu": None}  # fmt: skip
+
+
+def test_swap_pause_is_the_median_over_every_swap_the_heartbeats_carry() -> None:
+    from async_rl.servers.control import Heartbeat
+
+    events = [(float(s), s, {"train_s": 0.1, "tokens": 10.0}) for s in range(1, 6)]
+    every = [Heartbeat(generator_id="g", version=3, sent_at=1.0, swap_pause_ms=50.0, swap_pauses_ms=[10.0, 12.0, 50.0]),
+             Heartbeat(generator_id="g", version=4, sent_at=2.0, swap_pause_ms=11.0, swap_pauses_ms=[11.0]),
+             Heartbeat(generator_id="g", version=4, sent_at=3.0, swap_pause_ms=11.0)]  # no swap since the last beat
+    assert loop.summarize(events, every, 0, 0.0)["swap_pause_ms"] == 11.5
+    last_only = [Heartbeat(generator_id="g", version=v, sent_at=float(v), swap_pause_ms=p)
+                 for v, p in ((1, 50.0), (2, 50.0), (3, 12.0))]  # an engine that reports only its last pause
+    assert loop.summarize(events, last_only, 0, 0.0)["swap_pause_ms"] == 50.0
