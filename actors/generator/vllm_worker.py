@@ -162,6 +162,8 @@ class _Slot(NamedTuple):
     bound: Bound | None
     plan: LoadPlan | None
     """The plan ``bound`` was bound to (a re-recorded plan invalidates it)."""
+    views: bool
+    """Every one of ``named`` is a view of ``buffers`` (so the next copy into them refreshes it)."""
 
 
 def _layout(m: Any) -> tuple:
@@ -275,7 +277,9 @@ class ArlWorkerExtension:
         The copies land in one of two staging slots, the one not holding the newest staged version (a version
         staged there before is dropped: a newer one is staged already). A slot whose last version had the same
         layout keeps its buffers and its tensors' views, checked and bound to the replayed load: a version then
-        costs its copy and checksums only."""
+        costs its copy and checksums only. That takes every tensor being a view of the buffers: a version with
+        tensors of their own (pieces of several learner ranks assembled, names converted by copying) is assembled,
+        checked and bound again each time, into the same buffers."""
         from async_rl.weights.gpu.cuda_ipc import IpcMapper, IpcUnavailable
         from async_rl.weights.gpu.reader import assemble, copy_buckets
         from async_rl.weights.manifest import Manifest
@@ -293,9 +297,10 @@ class ArlWorkerExtension:
             del staged[v]
         layout = _layout(m)
         held = self._arl_slots.get(slot)
-        reuse = held is not None and held.layout == layout and held.plan is self._arl_plan
+        reuse = held is not None and held.views and held.layout == layout and held.plan is self._arl_plan
+        same_buffers = held.buffers if held is not None and held.layout == layout else None
         try:
-            buffers, sums = copy_buckets(m, device, mapper, stream, into=held.buffers if reuse and held else None)
+            buffers, sums = copy_buckets(m, device, mapper, stream, into=same_buffers)
         except IpcUnavailable as exc:
             return {"unavailable": str(exc)}
         t1 = time.perf_counter()
@@ -308,7 +313,9 @@ class ArlWorkerExtension:
             tensors = self._arl_weights.prepare(assemble(m, buffers, device))
             how = self._arl_keep(version, list(tensors.items()), slot)
             item = staged[version]
-            self._arl_slots[slot] = _Slot(layout, buffers, item.named, item.bound, self._arl_plan)
+            ptrs = {b.untyped_storage().data_ptr() for b in buffers}
+            views = all(t.untyped_storage().data_ptr() in ptrs for _, t in item.named)
+            self._arl_slots[slot] = _Slot(layout, buffers, item.named, item.bound, self._arl_plan, views)
         t2 = time.perf_counter()
         return {"sums": sums, "s": t2 - t0, "copy_s": t1 - t0, "prepare_s": t2 - t1, **how}
 
