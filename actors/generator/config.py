@@ -93,8 +93,8 @@ class VLLMEngineConfig:
     """Who labels each token with its weight version: vLLM itself (engine, 0.27+), the engine's own process (front,
     any vLLM; see actors/generator/vllm_compat.py), or auto (engine where vLLM has it)."""
     swap_load: Literal["auto", "reload"] = "auto"
-    """How a new version is loaded in place while generation is paused: auto replays vLLM's own loaders as one
-    batched copy where that is proven exact at start (CUDA, unquantized; actors/generator/vllm_load_plan.py), else
+    """How a new version is loaded in place while generation is paused: auto replays vLLM's own loaders as batched
+    copies where that is proven exact at start (CUDA, unquantized; actors/generator/vllm_load_plan.py), else
     vLLM's layerwise reload; reload always takes the layerwise reload (slower: seconds for a 1.6B MoE)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Further vLLM ``AsyncEngineArgs`` fields, passed through (names are checked)."""

@@ -17,7 +17,7 @@
   the learner's CUDA IPC buffers and copy it GPU to GPU themselves (:meth:`VLLMEngine.gpu_copier`, ``arl_copy_ipc``),
   checked against the signed manifest's checksums, then :meth:`VLLMEngine.stage_copied`. Either way the task
   pauses generation (``mode="keep"``: requests stay in place with their KV cache), loads the version in place
-  (``arl_apply_staged``: a replay of vLLM's loaders as one batched copy where proven exact, else vLLM's layerwise
+  (``arl_apply_staged``: a replay of vLLM's loaders as batched copies where proven exact, else vLLM's layerwise
   reload; :mod:`.vllm_load_plan`), relabels and resumes. No file is written.
   ``last_swap_pause_s`` is the time generation stood still. New requests carry the version in their prefix-cache
   salt, so no prompt reuses KV computed by older weights.
@@ -64,7 +64,8 @@ from actors.generator.vllm_compat import (
     prepare_worker_start,
     version_labels,
 )
-from actors.generator.vllm_outputs import completion
+from actors.generator.vllm_outputs import completion, trim_routes
+from actors.generator.vllm_requests import check_prompts, request_params
 from actors.generator.vllm_weights import CheckpointWeights
 from actors.generator.weight_handover import pack_weights
 from async_rl.model.presets import is_preset, save_pretrained_dir
@@ -258,7 +259,9 @@ class VLLMEngine(Engine):
     async def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[list[Completion]]:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        rows = self._check_prompts(prompts)
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        rows = check_prompts(prompts, self.facts.vocab_size, self.max_model_len)
         await self._ensure_ready()
         call = next(self._ids)
         ids = [f"arl{self._uid}c{call}p{p}s{i}" for p in range(len(rows)) for i in range(params.n)]
@@ -266,7 +269,9 @@ class VLLMEngine(Engine):
         for j, rid in enumerate(ids):
             prompt = rows[j // params.n]
             seed = None if params.seed is None else params.seed + j
-            requests.append(self._one(rid, prompt, self._vllm_params(params, prompt.size, seed)))
+            sp = request_params(params, prompt_len=prompt.size, max_model_len=self.max_model_len, seed=seed,
+                                stop_on_eos=self.config.stop_on_eos, logit_bias=self._logit_bias)
+            requests.append(self._one(rid, prompt, sp))
         try:
             flat = list(await asyncio.gather(*requests))
             routes = await self._take_routes(ids) if self.route_mode == "hooks" else {}
@@ -280,7 +285,7 @@ class VLLMEngine(Engine):
         out: list[Completion] = []
         for j, (rid, comp) in enumerate(zip(ids, flat, strict=True)):
             if self.route_mode == "hooks":
-                comp.routes = self._trim_routes(routes.get(rid), rows[j // params.n].size, comp.token_ids.size)
+                comp.routes = trim_routes(routes.get(rid), self.facts, rows[j // params.n].size, comp.token_ids.size)
             out.append(comp)
         return [out[p * params.n : (p + 1) * params.n] for p in range(len(rows))]
 
@@ -382,43 +387,6 @@ class VLLMEngine(Engine):
 
     # ---------------------------------------------------------------- generation
 
-    def _check_prompts(self, prompts: Sequence[np.ndarray]) -> list[np.ndarray]:
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        rows = []
-        for i, p in enumerate(prompts):
-            arr = np.asarray(p)
-            if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"prompts[{i}] must be a non-empty 1-D integer array, got {arr.dtype} {arr.shape}")
-            if int(arr.min()) < 0 or int(arr.max()) >= self.facts.vocab_size:
-                raise ValueError(f"prompts[{i}] has token ids outside [0, {self.facts.vocab_size})")
-            if arr.size >= self.max_model_len:
-                raise ValueError(f"prompts[{i}] has {arr.size} tokens, the engine holds {self.max_model_len}")
-            rows.append(arr.astype(np.int64))
-        return rows
-
-    def _vllm_params(self, params: SamplingParams, prompt_len: int, seed: int | None) -> Any:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return VSamplingParams(
-            n=1,
-            max_tokens=min(params.max_new_tokens, self.max_model_len - prompt_len),
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=seed,
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=not self.config.stop_on_eos,
-            # Applied before sampling: the processed logprobs are of the masked distribution, as the learner's.
-            logit_bias=self._logit_bias if params.mask_special_tokens and self._logit_bias else None,
-            logprobs=0,
-            flat_logprobs=True,
-            detokenize=False,
-            skip_special_tokens=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-
     async def _one(self, rid: str, prompt: np.ndarray, sp: Any) -> Completion:
         from vllm.inputs import TokensPrompt
 
@@ -445,13 +413,6 @@ class VLLMEngine(Engine):
         return {
             rid: np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape) for rid, (raw, shape, dtype) in got[0].items()
         }
-
-    def _trim_routes(self, routes: np.ndarray | None, prompt_len: int, num_tokens: int) -> np.ndarray:
-        """At most ``prompt + response - 1`` positions (the last sampled token is never run)."""
-        shape = (0, len(self.facts.moe_layer_ids), self.facts.top_k)
-        if routes is None:
-            return np.zeros(shape, dtype=np.uint8 if self.facts.num_experts <= 256 else np.int16)
-        return routes[: max(prompt_len + num_tokens - 1, 0)]
 
     # ---------------------------------------------------------------- weights
 

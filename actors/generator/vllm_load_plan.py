@@ -256,10 +256,10 @@ class _Recorder(TorchDispatchMode):
             if self._source_of(src) is None:
                 raise PlanRefused(f"a loader copies into {name} through a reshape that is not a view")
         src_name, base = source
-        self.steps.append(Step(
-            param=self._index_of(name, param), dst=(tuple(dst.shape), dst.stride(), int(dst.storage_offset())), source=src_name,
-            src_size=tuple(src.shape), src_stride=src.stride(), src_rel=int(src.storage_offset() - base.storage_offset()),
-        ))  # fmt: skip
+        dst_geometry = (tuple(dst.shape), dst.stride(), int(dst.storage_offset()))
+        src_rel = int(src.storage_offset() - base.storage_offset())
+        self.steps.append(Step(param=self._index_of(name, param), dst=dst_geometry, source=src_name,
+                               src_size=tuple(src.shape), src_stride=src.stride(), src_rel=src_rel))  # fmt: skip
 
     def _index_of(self, name: str, param: torch.Tensor) -> int:
         if name not in self._index:

@@ -10,6 +10,7 @@ import numpy as np
 from actors.generator.engine import Completion
 from actors.generator.model_facts import ModelFacts
 from actors.generator.vllm_compat import Span
+from async_rl.model.moe import route_dtype
 
 
 def completion(output: Any, spans: list[Span], version: int, native_routes: ModelFacts | None, rid: str) -> Completion:
@@ -48,3 +49,11 @@ def sampled_logprobs(flat: Any, tokens: np.ndarray, rid: str) -> np.ndarray:
     if not np.array_equal(got, tokens):
         raise RuntimeError(f"vLLM logprobs of request {rid} are not those of its sampled tokens")
     return np.asarray(flat.logprobs, dtype=np.float32)[starts]
+
+
+def trim_routes(routes: np.ndarray | None, facts: ModelFacts, prompt_len: int, num_tokens: int) -> np.ndarray:
+    """At most ``prompt + response - 1`` positions of a sample's routes (the last sampled token is never run); none
+    (empty, of the model's route dtype) when the sample has none."""
+    if routes is None:
+        return np.zeros((0, len(facts.moe_layer_ids), facts.top_k), dtype=route_dtype(facts.num_experts))
+    return routes[: max(prompt_len + num_tokens - 1, 0)]
