@@ -233,6 +233,7 @@ class Learner(Intake):
                 self._signals.batch_ready(waited_s=time.monotonic() - t0)
                 await self._step(entries)
             if self._publishing is not None:  # the last trained version goes out before the learner leaves
+                self._admit_version(self.state.version)
                 self._last_publish_s = await self._publishing.publish(self.state.version, wait=True)
             if self._unacked:  # the last steps since a checkpoint: commit them before leaving
                 await self._commit()
@@ -299,6 +300,7 @@ class Learner(Intake):
         assert self._publishing is not None
         if publishing:  # snapshot now; the last step of the run waits for its version to be out
             last = bool(cfg.max_steps) and step >= cfg.max_steps
+            self._admit_version(self.state.version)
             self._last_publish_s = await self._publishing.publish(self.state.version, wait=last)
         committed = self._publishing.take_records()
         evaluated: dict[str, float] = {}
@@ -454,11 +456,17 @@ class Learner(Intake):
         assert self._publishing is not None
         return self._publishing.offered_version(self.state.published_version)
 
+    def _admit_version(self, version: int) -> None:
+        """``version`` goes to the publisher now: samples of it may arrive as soon as its commit is visible, which can
+        be before :meth:`_on_published` runs here (the commit's last awaits are still going), so they are admitted
+        from now on."""
+        if self._checker is not None:
+            self._checker.max_version = max(self._checker.max_version or 0, version)
+
     def _on_published(self, record: PublishRecord) -> None:
         """A version is visible: tokens of it may arrive from now on."""
         self.state.published_version = max(self.state.published_version, record.version)
-        if self._checker is not None:
-            self._checker.max_version = max(self._checker.max_version or 0, record.version)
+        self._admit_version(record.version)
         # The first version at start-up gets a line of its own; later ones are in their step's line.
         log.log(logging.INFO if self.state.step == 0 else logging.DEBUG,
                 "published weights v%d (%s, %.2f of %.2f MB) %.3fs after its snapshot", record.version, record.kind,

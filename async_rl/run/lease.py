@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -368,18 +368,30 @@ class RunLease:
                          f"{self.token_number}) stops, its writes are refused")  # fmt: skip
 
     async def keep(self) -> None:
-        """Renew every ``ttl_s / 3`` until cancelled; raise :class:`LeaseLost` when another learner took the run.
-        Its own Redis client (bounded retries, then the error: a learner that lost Redis exits)."""
-        from async_rl.servers.reach import redis_client
+        """Renew every ``ttl_s / 3`` until cancelled; raise :class:`LeaseLost` when another learner took the run, or
+        Redis's error when no renewal went through for ``ttl_s`` (a learner that lost Redis exits). The renewals run
+        in a thread of their own: a busy event loop (a long checkpoint, a slow step, a starved CPU) is no reason for
+        the lease to lapse while the learner lives."""
+        loop = asyncio.get_running_loop()
+        ended = asyncio.Event()
+        stop = threading.Event()
+        failure: list[BaseException] = []
 
-        client = redis_client(self._url)
+        def on_end(exc: BaseException | None) -> None:
+            if exc is not None:
+                failure.append(exc)
+            if not stop.is_set():
+                loop.call_soon_threadsafe(ended.set)
+
+        thread = threading.Thread(target=self._keep_in_thread, args=(stop, on_end), name="run-lease", daemon=True)
+        thread.start()
         try:
-            while True:
-                await asyncio.sleep(self.renew_every_s)
-                if not self._renewed(await client.eval(*self._renew_args())):
-                    raise self.lost_error()
+            await ended.wait()
         finally:
-            await client.aclose()
+            stop.set()  # the thread leaves after the renewal in flight, if any (no wait: Redis may be gone)
+        if failure:
+            raise failure[0]
+        raise self.lost_error()
 
     @contextlib.contextmanager
     def kept_alive(self) -> Iterator[None]:
@@ -396,14 +408,27 @@ class RunLease:
         if self.lost is not None:
             raise self.lost_error()
 
-    def _keep_in_thread(self, stop: threading.Event) -> None:
+    def _keep_in_thread(self, stop: threading.Event,
+                        on_end: Callable[[BaseException | None], None] | None = None) -> None:  # fmt: skip
+        """Renew until ``stop`` is set or the run is lost (then ``on_end(None)``). A failed renewal is retried at the
+        next one; with ``on_end``, renewals failing for a whole ``ttl_s`` end it with their error."""
+        failing_since: float | None = None
         with contextlib.closing(self._client()) as client:
             while not stop.wait(self.renew_every_s):
                 try:
-                    if not self._renewed(client.eval(*self._renew_args())):
-                        return
+                    renewed = self._renewed(client.eval(*self._renew_args()))
                 except RedisError as exc:  # the learner meets the same server next; it names it then
                     log.warning("renewing run %r's lease failed: %s", self.names.prefix, exc)
+                    failing_since = failing_since if failing_since is not None else time.monotonic()
+                    if on_end is not None and time.monotonic() - failing_since >= self.cfg.ttl_s:
+                        on_end(exc)
+                        return
+                    continue
+                failing_since = None
+                if not renewed:
+                    if on_end is not None:
+                        on_end(None)
+                    return
 
     # ---- leaving -------------------------------------------------------------------------------------------
     def release(self) -> bool:

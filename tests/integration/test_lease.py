@@ -106,6 +106,21 @@ async def test_an_expired_lease_nobody_took_is_renewed(servers: ServerSet, names
         await keeper
 
 
+async def test_a_blocked_event_loop_keeps_the_lease(servers: ServerSet, names: Names) -> None:
+    a = _lease(servers, names)
+    a.take()
+    keeper = asyncio.create_task(a.keep())
+    await asyncio.sleep(0)  # the renewing thread starts
+    time.sleep(3 * TTL_S)  # noqa: ASYNC251 (on purpose) the learner's event loop busy for three TTLs (a long checkpoint, a starved CPU)
+    with pytest.raises(LeaseHeld):  # renewed all along from its own thread: a second learner still finds it held
+        _lease(servers, names).take()
+    assert not keeper.done()
+    keeper.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await keeper
+    a.release()
+
+
 async def test_every_fenced_write_of_a_stale_token_is_refused(servers: ServerSet, names: Names,
                                                               redis_client: aioredis.Redis) -> None:  # fmt: skip
     old, new = _lease(servers, names), _lease(servers, names, wait=True)
