@@ -11,8 +11,8 @@
 # takes tens of seconds and the generators idle meanwhile. The generators keep NODE_GEN_MEM=0.6 of their GPU for
 # vLLM (weights 10.1 GB, KV cache, graphs): the rest is room for the worker's two staging slots (2 x 10.1 GB, the
 # versions copied from the learner) and, at start, the checkpoint it loads once to prove the replayed load.
-# The distributed optimizer is not in the Megatron backend yet (docs/megatron.md): at EP=2 on two ranks the experts
-# (95 % of the parameters) have one replica each, so it would shard only the dense 5 % (its fp32 copy and Adam state: about 1.4 GB a rank).
+# The learner runs the distributed optimizer (NODE_DIST_OPT=true; docs/megatron.md): at EP=2 on two ranks the experts
+# (95 % of the parameters) have one replica each, so it shards the dense 5 % (fp32 copy and Adam state: 1.4 GB a rank saved).
 set -uo pipefail
 out=${1:?usage: node.sh OUT}
 mkdir -p "$out"
@@ -25,7 +25,8 @@ json="$out/node-$gpu-moe-5b-megatron-vllm-$day.json"
 timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model moe-5b --device cuda --backend megatron \
     --learner-nproc 2 --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8.5} \
     --generators 2 --generator-engine vllm --generator-devices cuda:2,cuda:3 \
-    --learner megatron.expert_parallel=2 --learner megatron.lr=1e-5 --learner checkpoint.every=${NODE_CHECKPOINT_EVERY:-1000} \
+    --learner megatron.expert_parallel=2 --learner megatron.lr=1e-5 \
+    --learner megatron.distributed_optimizer=${NODE_DIST_OPT:-true} --learner checkpoint.every=${NODE_CHECKPOINT_EVERY:-1000} \
     --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.6} \
     --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
 rc=$?

@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--cpu-encode", action="store_true")
+    ap.add_argument("--dist-opt", action="store_true", help="learner.megatron.distributed_optimizer=true")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     from actors.learner.megatron.backend import MegatronBackend
@@ -50,7 +51,7 @@ def main() -> int:
     # and say so): per-expert names, as the learner advises.
     mcfg = MegatronConfig(tensor_parallel=args.tp, sequence_parallel=args.tp > 1, pipeline_parallel=args.pp,
                           expert_parallel=args.ep, fused_experts_export=args.tp == 1, dtype="bfloat16",
-                          router_replay=False, lr=args.lr)  # fmt: skip
+                          router_replay=False, lr=args.lr, distributed_optimizer=args.dist_opt)  # fmt: skip
     sd = {k: v.detach().to(torch.bfloat16).cpu() for k, v in hf.state_dict().items()}
     meg = MegatronBackend(mcfg, hf.config, sd)
     if torch.distributed.get_rank() != 0:

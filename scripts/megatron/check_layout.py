@@ -10,6 +10,8 @@ activation recompute and router replay. With the same seeded weights and batch o
   ``recorded``: with the routes this layout itself recorded, replayed: bit-exact on an unpadded batch
   (every row replayed), within ``--tol`` on a padded one (pad rows get dummy experts under replay);
 * ``losses``: three optimizer steps (NLL, two micro-batches, replay on), losses and gradient norms;
+* ``resume``: the layout's checkpoint loaded back after two more steps, and those two steps taken again: the same
+  losses and gradient norms within ``--tol`` (the optimizer state, sharded with ``--dist-opt``, restored);
 * ``export``: weights exported in HF names, reloaded into a fresh transformers model, logprobs
   through the torch backend compared with the layout's own; the layout's checkpoint (every rank's file and
   layout), read back on the host as ``async-rl export`` does, equals that export bit for bit;
@@ -48,6 +50,7 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=2e-4)
     ap.add_argument("--timed-steps", type=int, default=5)
     ap.add_argument("--follow", action="store_true", help="leader/followers: rank 0 drives, the others follow()")
+    ap.add_argument("--dist-opt", action="store_true", help="learner.megatron.distributed_optimizer=true")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -66,7 +69,8 @@ def main() -> int:
     mcfg = MegatronConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
                           context_parallel=args.cp, sequence_parallel=args.sp,
                           first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
-                          dtype="float32", recompute=True, router_replay=True, lr=1e-3)  # fmt: skip
+                          dtype="float32", recompute=True, router_replay=True, lr=1e-3,
+                          distributed_optimizer=args.dist_opt)  # fmt: skip
     sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
     meg = MegatronBackend(mcfg, hf.config, sd)
     rank = torch.distributed.get_rank()
@@ -77,7 +81,8 @@ def main() -> int:
         return 0
     res: dict = {"name": args.name, "world_size": torch.distributed.get_world_size(), "device": torch.cuda.get_device_name(),
                  "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "cp": args.cp, "sp": args.sp,
-                            "first_stage_layers": args.first_stage_layers, "last_stage_layers": args.last_stage_layers},
+                            "first_stage_layers": args.first_stage_layers, "last_stage_layers": args.last_stage_layers,
+                            "distributed_optimizer": args.dist_opt},
                  "stage_moe_layers": meg.moe_idx}  # fmt: skip
     free = meg.forward_logprobs(mb, replay_routes=False).logprobs
     replayed = meg.forward_logprobs(mb, replay_routes=True).logprobs
@@ -122,6 +127,13 @@ def main() -> int:
                            fused_experts=mcfg.fused_experts_export)  # fmt: skip
         res["checkpoint_export_equal"] = sorted(back) == sorted(exported) and all(
             back[k].dtype == v.dtype and torch.equal(back[k].cpu(), v) for k, v in exported.items())  # fmt: skip
+    # Resume: two steps on from the checkpoint, then the checkpoint loaded back and the same two steps again.
+    on = [meg.train_step(mbs, nll_loss, replay_routes=True) for _ in range(2)]
+    meg.load(ckpt)
+    again = [meg.train_step(mbs, nll_loss, replay_routes=True) for _ in range(2)]
+    res["resume_losses"] = [[s.metrics["nll_per_token"] for s in r] for r in (on, again)]
+    res["resume_max_abs_diff"] = max(max(abs(a.metrics["nll_per_token"] - b.metrics["nll_per_token"]),
+                                         abs(a.grad_norm - b.grad_norm)) for a, b in zip(on, again, strict=True))  # fmt: skip
     if rank == 0:
         from transformers import Qwen3MoeForCausalLM
 
@@ -147,7 +159,8 @@ def main() -> int:
         checks = {"recorded_replay_exact": res["recorded_replay_unpadded_max_abs_diff"] == 0.0,
                   "recorded_replay_padded": res["recorded_replay_max_abs_diff"] < args.tol,
                   "export_reload": res["export_reload_max_abs_diff"] < args.tol,
-                  "checkpoint_export": res["checkpoint_export_equal"]}  # fmt: skip
+                  "checkpoint_export": res["checkpoint_export_equal"],
+                  "resume": res["resume_max_abs_diff"] < args.tol}  # fmt: skip
         if args.ref is not None:
             ref = torch.load(args.ref)
             m = mb.attention_mask.clone()

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Check Megatron parallel layouts against a single-GPU reference on one host (run from the repo root).
-#   scripts/megatron/run_layouts.sh OUTDIR x2   # 2 GPUs: PP=2 uneven (3+4, dense layer 0), PP=2 (4+3), EP=2, TP=2+SP
+#   scripts/megatron/run_layouts.sh OUTDIR x2   # 2 GPUs: PP=2 uneven (3+4, dense layer 0), PP=2 (4+3), EP=2 (also
+#                                               # with the distributed optimizer), TP=2+SP
 #   scripts/megatron/run_layouts.sh OUTDIR x4   # 4 GPUs (issues 8, 39): EP=4, PP=2 x EP=2, TP=2 x EP=2 (+SP),
-#                                               # DP=2 x EP=2 (EP=2 on 4 ranks: every expert on two ranks, dense DP=4),
+#                                               # DP=2 x EP=2 (EP=2 on 4 ranks: every expert on two ranks, dense DP=4;
+#                                               # also with the distributed optimizer),
 #                                               # and PP=2 x CP=2 where Transformer Engine is installed
 # Without x2|x4: x4 when 4 or more GPUs are visible, else x2. On x4 every layout is also published rank by rank
 # (scripts/megatron/check_gpu_export.py on 4 ranks: a CUDA IPC reader and a host-transport reader get the gathered
@@ -46,6 +48,7 @@ if [ "$kind" = x2 ]; then
   run pp2_first3 2 --pp 2 --first-stage-layers 3 --ref "$ref"
   run pp2_last3 2 --pp 2 --last-stage-layers 3 --ref "$ref"
   run ep2 2 --ep 2 --ref "$ref"
+  run ep2_distopt 2 --ep 2 --dist-opt --ref "$ref"
   run pp2_first3_follow 2 --pp 2 --first-stage-layers 3 --follow --ref "$ref"
   run tp2_sp 2 --tp 2 --sp --ref "$ref"
 else
@@ -53,11 +56,13 @@ else
   run pp2_ep2 4 --pp 2 --ep 2 --first-stage-layers 3 --ref "$ref"
   run tp2_ep2_sp 4 --tp 2 --ep 2 --sp --ref "$ref"
   run dp2_ep2 4 --ep 2 --ref "$ref"
+  run dp2_ep2_distopt 4 --ep 2 --dist-opt --ref "$ref"
   # lr 1e-5 as in scripts/gpu/ranks.sh: few bf16 weights move a step, so the host transport sends deltas too
   export_check ep4 4 --ep 4 --lr 1e-5
   export_check pp2_ep2 4 --pp 2 --ep 2
   export_check tp2_ep2_sp 4 --tp 2 --ep 2
   export_check dp2_ep2 4 --ep 2 --lr 1e-5
+  export_check dp2_ep2_distopt 4 --ep 2 --lr 1e-5 --dist-opt
   if python3 -c "import transformer_engine" 2>/dev/null; then
     run pp2_cp2 4 --pp 2 --cp 2 --first-stage-layers 3 --ref "$ref"
   else

@@ -276,15 +276,17 @@ def test_exported_weights_reload_into_torch_with_same_logprobs() -> None:
     assert d < LP_TOL
 
 
-def test_save_load_resumes_training(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A backend loaded from a checkpoint continues exactly where the saved one went on (model + Adam state)."""
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_save_load_resumes_training(tmp_path, distributed_optimizer: bool) -> None:  # type: ignore[no-untyped-def]
+    """A backend loaded from a checkpoint continues exactly where the saved one went on (model + Adam state), with
+    the distributed optimizer too (one rank: its shard is the whole state, through the sharded save and load)."""
     from actors.learner.megatron.toy import build_hf, hf_routes, make_batch, nll_loss, toy_config, with_routes
 
     cfg = toy_config()
     hf = build_hf(cfg)
     mb = make_batch(cfg, [48, 30], seed=10)
     mb = with_routes(mb, hf_routes(hf, mb))
-    a = _backend(hf, lr=1e-3)
+    a = _backend(hf, lr=1e-3, distributed_optimizer=distributed_optimizer)
     try:
         a.train_step([mb], nll_loss, replay_routes=True)
         a.save(tmp_path)
@@ -292,14 +294,20 @@ def test_save_load_resumes_training(tmp_path) -> None:  # type: ignore[no-untype
         lp_a = a.forward_logprobs(mb, replay_routes=True).logprobs
     finally:
         a.close()
-    b = _backend(hf, lr=1e-3)
+    other = _backend(hf, lr=1e-3, distributed_optimizer=not distributed_optimizer)
+    try:  # the other optimizer setting is refused in one line, before anything is copied
+        with pytest.raises(ValueError, match="distributed optimizer; this learner runs"):
+            other.load(tmp_path)
+    finally:
+        other.close()
+    b = _backend(hf, lr=1e-3, distributed_optimizer=distributed_optimizer)
     try:
         b.load(tmp_path)
         b.train_step([mb], nll_loss, replay_routes=True)
         lp_b = b.forward_logprobs(mb, replay_routes=True).logprobs
     finally:
         b.close()
-    c = _backend(hf, lr=1e-3)  # no checkpoint: one step from the initial weights
+    c = _backend(hf, lr=1e-3, distributed_optimizer=distributed_optimizer)  # no checkpoint: one step from the start
     try:
         c.train_step([mb], nll_loss, replay_routes=True)
         fresh_step = c.forward_logprobs(mb, replay_routes=True).logprobs

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.learner.megatron import replay
+from actors.learner.megatron import optimizer_state, replay
 from actors.learner.megatron.balance import rebalance
 from actors.learner.megatron.build import MegatronBuild, te_available
 from actors.learner.megatron.checkpoint_reader import write_rank_layout
@@ -424,7 +424,7 @@ class MegatronBackend(MegatronBuild):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         rank = torch.distributed.get_rank()
-        torch.save({"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict()},
+        torch.save({"model": self.gpt.state_dict(), **optimizer_state.save_entries(self.optimizer, self.gpt)},
                    directory / f"megatron_rank{rank:05d}.pt")  # fmt: skip
         # The rank's place in the layout beside its slices: async-rl export joins every rank's on the host.
         write_rank_layout(directory, rank, self.naming, tp_rank=self.tp_rank, tp_size=self.cfg.tensor_parallel,
@@ -439,8 +439,8 @@ class MegatronBackend(MegatronBuild):
         if not path.exists():
             raise ValueError(f"no Megatron checkpoint for this rank at {path}")
         state = torch.load(path, map_location=self.device, weights_only=False)
+        optimizer_state.load_entries(self.optimizer, self.gpt, state, str(path))  # refuses before any copy
         self.gpt.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
         torch.distributed.barrier()
 
     def close(self) -> None:

@@ -104,12 +104,13 @@ class MegatronBuild(MegatronWeights):
 
         self.tc.finalize_model_grads_func = finalize
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=False)  # fmt: skip
+                                                use_distributed_optimizer=self.cfg.distributed_optimizer)  # fmt: skip
         self.ddp = DistributedDataParallel(config=self.tc, ddp_config=ddp_cfg, module=self.gpt)
         c = self.cfg
         oc = OptimizerConfig(optimizer="adam", lr=c.lr, min_lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,
                              adam_beta2=c.adam_beta2, adam_eps=c.adam_eps, clip_grad=c.clip_grad,
-                             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype, use_distributed_optimizer=False)  # fmt: skip
+                             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+                             use_distributed_optimizer=c.distributed_optimizer)  # fmt: skip
         self.optimizer = get_megatron_optimizer(oc, [self.ddp])
         # Without TE or Apex megatron builds torch's AdamW with its default multi-tensor (foreach) kernels; the fused
         # one updates each group in one launch and is what TE's FusedAdam would be (the optimizer step of the Qwen3-30B-A3B

@@ -61,6 +61,11 @@ class MegatronConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0: off)."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: the fp32 master weights and Adam moments sharded over the data-parallel
+    ranks (the dense layers' over every data-parallel rank, the experts' over the expert-data-parallel ones) instead
+    of whole on each; gradients are reduce-scattered and the weights all-gathered after each step. Each rank's
+    checkpoint file keeps its own shard (no gather): a run resumes on the layout that wrote it."""
     temperature: float = 1.0
     """Sampling temperature of the generators: logits are divided by it so logprobs match the behaviour ones."""
     masked_token_ids: tuple[int, ...] = ()
