@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,48 @@ def test_swap_pause_is_the_median_over_every_swap_the_heartbeats_carry() -> None
     last_only = [Heartbeat(generator_id="g", version=v, sent_at=float(v), swap_pause_ms=p)
                  for v, p in ((1, 50.0), (2, 50.0), (3, 12.0))]  # an engine that reports only its last pause
     assert loop.summarize(events, last_only, 0, 0.0)["swap_pause_ms"] == 50.0
+
+
+def test_bench_async_runs_every_plan_on_the_node(four_gpus: None, tmp_path: Path) -> None:
+    """``bench async`` with the node's options: every run (sync, and each S) is the node loop, the same processes
+    on the same GPUs, only the staleness keys differ."""
+    from actors.commands.bench import sync_vs_async
+
+    args = sync_vs_async.parse_args(["--json", "a.json", "--device", "cuda", "--backend", "megatron", "--learner-nproc",
+                                     "2", "--learner", "megatron.expert_parallel=2", "--generator-engine", "vllm",
+                                     "--generator-devices", "cuda:2,cuda:3", "--generator", "vllm.enforce_eager=true",
+                                     "--run-dir", str(tmp_path), "--staleness", "4"], "bench async")  # fmt: skip
+    sync = loop.parse_args(sync_vs_async.loop_argv(args, "sync", ["staleness.sync=true"]), "bench loop")
+    s4 = loop.parse_args(sync_vs_async.loop_argv(args, "async-4", ["staleness.max_staleness=4"]), "bench loop")
+    for run in (sync, s4):
+        assert (run.backend, run.learner_nproc, run.generator_engine, run.generator_devices) == \
+            ("megatron", 2, "vllm", "cuda:2,cuda:3")  # fmt: skip
+        assert "megatron.expert_parallel=2" in run.learner and run.generator == ["vllm.enforce_eager=true"]
+    assert "staleness.sync=true" in sync.learner and "staleness.sync=true" not in s4.learner
+    assert run.model == "tiny-moe"  # bench loop's own default where --model is not given
+    with pytest.raises(SystemExit):
+        sync_vs_async.parse_args(["--json", "a.json", "--learner-nproc", "2"], "bench async")  # torch: one rank
+
+
+def _run(wall: float | None) -> dict:
+    return {"machine": "test", "tracebacks": [], "wall_to_target_s": wall, "steps_to_target": 40,
+            "reward_curve": [[1, 5.0, 0.1, 0.2]]}  # fmt: skip
+
+
+def test_bench_async_reuse_keeps_earlier_runs_of_the_same_setup_and_refuses_another(tmp_path: Path) -> None:
+    """A bench split over several calls: the runs an earlier JSON holds are kept (none runs again here, as every plan
+    is there), the ratio taken over all of them; a JSON of another setup is refused naming what differs."""
+    from actors.commands.bench import sync_vs_async
+
+    setup = ["--device", "cuda", "--backend", "megatron", "--learner-nproc", "2"]
+    first = {"bench": "async", "setup": sync_vs_async.setup(sync_vs_async.parse_args(["--json", "x", *setup], "b")),
+             "runs": {"sync": _run(100.0), "async-4": _run(60.0), "async-2": _run(45.0)}}  # fmt: skip
+    (tmp_path / "first.json").write_text(json.dumps(first))
+    out = tmp_path / "all.json"
+    rc = sync_vs_async.main(["--json", str(out), *setup, "--staleness", "2,4", "--reuse", str(tmp_path / "first.json"),
+                             "--run-dir", str(tmp_path)])  # fmt: skip
+    data = json.loads(out.read_text())
+    assert rc == 0 and data["best_async_vs_sync"] == 0.45 and sorted(data["runs"]) == ["async-2", "async-4", "sync"]
+    assert data["setup"]["backend"] == "megatron" and data["learner_nproc"] == 2
+    with pytest.raises(SystemExit, match="another setup .backend 'megatron' there, 'torch' here"):
+        sync_vs_async.main(["--json", str(out), "--device", "cuda", "--reuse", str(tmp_path / "first.json")])

@@ -18,6 +18,8 @@ that completes the 5-step window, or null), ``steps_to_0_9``, ``learner_tokens_p
 
     async-rl bench async --json docs/benchmarks/async-cpu.json                       # this CPU machine
     async-rl bench async --json out.json --device cuda --generators 2                # a GPU machine
+    async-rl bench async --json out.json --device cuda --backend megatron --learner-nproc 2 \
+        --learner megatron.expert_parallel=2 --generator-engine vllm --generator-devices cuda:2,cuda:3  # one node
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=8.0, help="per run")
     p.add_argument("--run-dir", type=Path, default=Path("runs/bench-async"))
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE", help="extra learner override (all runs)")
+    p.add_argument("--reuse", type=Path, default=None,
+                   help="an earlier JSON of this bench on the same setup: its runs are kept, only the others run "
+                        "(a long bench split over several calls)")  # fmt: skip
+    node = p.add_argument_group("the node (bench loop's options, the same for every run)")
+    node.add_argument("--model", default=None, help="bench loop's --model (default: its own)")
+    node.add_argument("--backend", choices=("torch", "megatron"), default="torch")
+    node.add_argument("--learner-nproc", type=int, default=1, help="learner ranks (> 1: torchrun, backend megatron)")
+    node.add_argument("--generator-engine", choices=("torch", "vllm"), default="torch")
+    node.add_argument("--generator-devices", default="", help="comma-separated device of each generator in turn")
+    node.add_argument("--generator", action="append", default=[], metavar="KEY=VALUE",
+                      help="extra generator override (all runs)")
     args = p.parse_args(argv)
     try:
         args.staleness = sorted({int(s) for s in args.staleness.split(",")})
@@ -61,6 +74,8 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
         p.error("--staleness values must be >= 1 (S = 0 is the synchronous run)")
     if not 0 < args.target <= 1:
         p.error("--target must be in (0, 1]")
+    if args.learner_nproc < 1 or (args.learner_nproc > 1 and args.backend != "megatron"):
+        p.error("--learner-nproc must be >= 1, and > 1 needs --backend megatron")
     return args
 
 
@@ -77,8 +92,16 @@ def loop_argv(args: argparse.Namespace, name: str, staleness: list[str]) -> list
     argv = ["--json", str(args.run_dir / f"{name}.json"), "--run-dir", str(args.run_dir / name), "--steps",
             str(args.max_steps), "--target", str(args.target), "--generators", str(args.generators), "--device",
             args.device, "--lr", lr, "--max-minutes", str(args.max_minutes), "--warmup-steps", "3"]  # fmt: skip
+    argv += ["--backend", args.backend, "--learner-nproc", str(args.learner_nproc), "--generator-engine",
+             args.generator_engine]  # fmt: skip
+    if args.model:
+        argv += ["--model", args.model]
+    if args.generator_devices:
+        argv += ["--generator-devices", args.generator_devices]
     for kv in [*extra, *staleness, *args.learner]:
         argv += ["--learner", kv]
+    for kv in args.generator:
+        argv += ["--generator", kv]
     return argv
 
 
@@ -96,10 +119,14 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> i
             raise SystemExit(f"{prog}: --plot-only needs --plot")
         plot(json.loads(args.json.read_text()), args.plot)
         return 0
-    runs: dict[str, dict[str, Any]] = {}
+    runs: dict[str, dict[str, Any]] = reused(args, prog) if args.reuse else {}
     plans = [("sync", ["staleness.max_staleness=0", "staleness.sync=true", "admission_lag_versions=0"])]
     plans += [(f"async-{s}", [f"staleness.max_staleness={s}"]) for s in args.staleness]
+    runs = {name: runs[name] for name, _ in plans if name in runs}
     for name, staleness in plans:
+        if name in runs:
+            print(f"== {name}: kept from {args.reuse}", flush=True)
+            continue
         largs = loop.parse_args(loop_argv(args, name, staleness), prog=f"{prog} ({name})")
         print(f"== {name}: {' '.join(staleness)}", flush=True)
         runs[name] = asyncio.run(loop.run_loop(largs))
@@ -111,13 +138,37 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> i
     asyncs = {str(s): pick(runs[f"async-{s}"]) for s in args.staleness}
     walls = [a["wall_to_0_9_s"] for a in asyncs.values() if a["wall_to_0_9_s"] is not None]
     best = min(walls) / sync["wall_to_0_9_s"] if walls and sync["wall_to_0_9_s"] else None
-    out = {"bench": "async", "machine": runs["sync"]["machine"], "device": args.device, "generators": args.generators,
-           "target": args.target, "recipe": recipe()[1], "sync": sync, "async": asyncs, "best_async_vs_sync": best,
+    out = {"bench": "async", "machine": runs["sync"]["machine"], **setup(args), "model": runs["sync"].get("model"),
+           "setup": setup(args), "recipe": recipe()[1], "sync": sync, "async": asyncs, "best_async_vs_sync": best,
            "runs": runs}  # fmt: skip
     emit(out, args.json, print_skip=("runs",))
     if args.plot:
         plot(out, args.plot)
     return 0 if best is not None and not any(r["tracebacks"] for r in runs.values()) else 1
+
+
+SETUP = ("device", "generators", "model", "backend", "learner_nproc", "generator_engine", "generator_devices", "target")
+"""What an earlier JSON's runs must share with this call to be kept (``--reuse``)."""
+
+
+def setup(args: argparse.Namespace) -> dict[str, Any]:
+    return {"device": args.device, "generators": args.generators, "model": args.model, "backend": args.backend,
+            "learner_nproc": args.learner_nproc, "generator_engine": args.generator_engine,
+            "generator_devices": args.generator_devices or args.device, "target": args.target}  # fmt: skip
+
+
+def reused(args: argparse.Namespace, prog: str) -> dict[str, dict[str, Any]]:
+    """The runs of ``--reuse``'s JSON, refused in one line when it was measured on another setup."""
+    try:
+        data = json.loads(args.reuse.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{prog}: --reuse {args.reuse}: {exc}") from None
+    mine, theirs = setup(args), data.get("setup") or {}
+    differ = [k for k in SETUP if theirs.get(k) != mine[k]]
+    if data.get("bench") != "async" or differ:
+        what = ", ".join(f"{k} {theirs.get(k)!r} there, {mine[k]!r} here" for k in differ) or "not a bench async JSON"
+        raise SystemExit(f"{prog}: --reuse {args.reuse} was measured on another setup ({what})")
+    return dict(data.get("runs") or {})
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
