@@ -3,7 +3,11 @@
 # gradients and peak memory at the 151,936 vocabulary), then `bench backends` on the Qwen3-30B-A3B slice (Megatron
 # with SDPA + grouped experts; torch with full logits and with logprob chunks of 4096), then on the 1.65B shape of
 # `bench loop` (16 layers, hidden 1024, 64 experts top-8, every layer MoE as the moe-1.6b preset); with two GPUs, the
-# slice under EP=2 against one GPU on the same 16k-token micro-batches. One JSON per bench in OUT_DIR; logs beside them.
+# slice under EP=2 against one GPU on the same 16k-token micro-batches. With four GPUs (issue 39), instead: the slice
+# under EP=4 against one GPU on the same micro-batches of SCALE_MB_TOKENS (default 32768: a sequence for each of the
+# four data-parallel ranks), then EP=4 on SCALE_LAYERS (default 8) layers, which one GPU cannot hold (MFU), and
+# OUT_DIR/scaling-<gpu>x4-ep4-30b-a3b-slice.json with tokens_per_s_per_gpu_vs_one_gpu and each run's MFU.
+# One JSON per bench in OUT_DIR; logs beside them. ONLY=scaling runs the four-GPU part alone.
 #   scripts/gpu/backends.sh OUT_DIR [LAYERS]      (LAYERS of the slice, default 2; 4 is tight for Megatron)
 set -euo pipefail
 out=${1:?usage: backends.sh OUT_DIR [LAYERS]}
@@ -11,6 +15,8 @@ layers=${2:-2}
 mkdir -p "$out"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())")
 rc=0
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if [ "${ONLY:-}" != scaling ]; then
 python3 -m pytest --noconftest -o addopts="" -q -s tests/gpu/test_chunked_logprobs_gpu.py tests/gpu/test_logit_stats_gpu.py 2>&1 | tail -8 \
     | tee "$out/chunked-logprobs-$gpu.log" || rc=1
 python3 -m actors.commands bench backends --preset qwen3-30b-a3b-slice --layers "$layers" --default-settings-only \
@@ -21,7 +27,42 @@ python3 -m actors.commands bench backends --default-settings-only --layers 16 --
     --micro-batches 2 \
     --logprob-chunk-tokens 0,4096 --profile --json "$out/megatron-backends-${gpu}-1.6b.json" 2>&1 \
     | grep -v Warning | tail -20 | tee "$out/backends-1.6b.log" || rc=1
-if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+fi
+if [ "$ngpu" -ge 4 ]; then
+    mb=${SCALE_MB_TOKENS:-32768}
+    deep=${SCALE_LAYERS:-8}
+    one="$out/megatron-backends-${gpu}-30b-a3b-slice-${layers}l-${mb}.json"
+    ep4="$out/megatron-backends-${gpu}x4-ep4-30b-a3b-slice-${layers}l-${mb}.json"
+    ep4_deep="$out/megatron-backends-${gpu}x4-ep4-30b-a3b-slice-${deep}l-${mb}.json"
+    python3 -m actors.commands bench backends --preset qwen3-30b-a3b-slice --layers "$layers" --backends megatron \
+        --micro-batch-tokens "$mb" --json "$one" 2>&1 | grep -v Warning | tail -4 | tee "$out/scaling-one-gpu.log" || rc=1
+    for run in "$layers:$ep4" "$deep:$ep4_deep"; do
+        torchrun --standalone --nproc-per-node 4 -m actors.commands bench backends --preset qwen3-30b-a3b-slice \
+            --layers "${run%%:*}" --backends megatron --expert-parallel 4 --micro-batch-tokens "$mb" --json "${run#*:}" \
+            2>&1 | grep -v Warning | tail -4 | tee -a "$out/scaling-ep4.log" || rc=1
+    done
+    python3 - "$one" "$ep4" "$ep4_deep" "$out/scaling-${gpu}x4-ep4-30b-a3b-slice.json" <<'PY' || rc=1
+import json, sys
+from pathlib import Path
+
+def row(path):
+    p = Path(path)
+    if not p.is_file():
+        return None
+    data = json.loads(p.read_text())
+    r = next(r for r in data["results"] if r["backend"] == "megatron")
+    return {"json": p.name, "layers": data["model"].get("layers"), "world_size": r.get("world_size") or 1,
+            "tokens_per_s": r["tokens_per_s"], "tokens_per_s_per_gpu": r.get("tokens_per_s_per_gpu") or r["tokens_per_s"],
+            "mfu": r["mfu"], "device": data["device"]}
+
+one, ep4, deep = (row(p) for p in sys.argv[1:4])
+ratio = ep4["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"] if one and ep4 else None
+out = {"bench": "scaling", "one_gpu": one, "ep4": ep4, "ep4_deep": deep, "tokens_per_s_per_gpu_vs_one_gpu": ratio,
+       "ep4_deep_mfu": deep["mfu"] if deep else None}
+Path(sys.argv[4]).write_text(json.dumps(out, indent=2))
+print(json.dumps({k: v for k, v in out.items() if k != "bench"}, indent=1))
+PY
+elif [ "$ngpu" -ge 2 ] && [ "${ONLY:-}" != scaling ]; then
     # EP=2 on two GPUs against one GPU (tokens/s per GPU), both on micro-batches of up to 16k tokens so that each of
     # the two data-parallel ranks holds a sequence of most micro-batches.
     python3 -m actors.commands bench backends --preset qwen3-30b-a3b-slice --layers "$layers" --backends megatron \
