@@ -97,10 +97,21 @@ def _run_mistakes(procs: Procs, servers: ServerSet, names: Names, nats, capsys) 
     # A generator killed with prompts in hand: the learner says how many it left pending and when they are reclaimed.
     client = redis.Redis.from_url(servers.redis_url)
     procs.generator("gen-kill")
-    procs.wait_for("prompts held by gen-kill", lambda: any(
-        c["name"] == b"gen-kill" and c["pending"] > 0
-        for c in client.xinfo_consumers(names.prompts_stream, names.prompts_group)), 120)  # fmt: skip
-    procs.procs.pop("gen-kill").send_signal(signal.SIGKILL)
+
+    def holding() -> bool:
+        return any(c["name"] == b"gen-kill" and c["pending"] > 0
+                   for c in client.xinfo_consumers(names.prompts_stream, names.prompts_group))  # fmt: skip
+
+    victim = procs.procs.pop("gen-kill")
+    try:
+        for _ in range(50):  # frozen while it holds prompts (it acks a batch within ms of finishing it), then killed
+            procs.wait_for("prompts held by gen-kill", holding, 120)
+            victim.send_signal(signal.SIGSTOP)
+            if holding():
+                break
+            victim.send_signal(signal.SIGCONT)
+    finally:
+        victim.send_signal(signal.SIGKILL)
     procs.wait_for("the lost line", lambda: "generator gen-kill (" in procs.log("learner")
                    and " lost: " in procs.log("learner"), 60)  # fmt: skip
     lost = next(line for line in procs.log("learner").splitlines() if "generator gen-kill (" in line and " lost" in line)
