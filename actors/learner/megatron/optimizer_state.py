@@ -87,6 +87,10 @@ def load_entries(optimizer: Any, model: torch.nn.Module, entries: dict[str, Any]
                              "layout that wrote it")  # fmt: skip
     optimizer.load_state_dict(entries[KEY])  # step counts, hyperparameters; allocates the state it then fills
     with torch.no_grad():
+        for sub in subs:  # megatron hands every parameter the same step tensor: each its own, as a step leaves them
+            for st in sub.optimizer.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
         for sub, shard in zip(subs, shards, strict=True):
             for param in sub.model_param_group_index_map:
                 sub._set_main_param_and_optimizer_states(param, shard[names[id(param)]])
