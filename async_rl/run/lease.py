@@ -381,7 +381,8 @@ class RunLease:
             if exc is not None:
                 failure.append(exc)
             if not stop.is_set():
-                loop.call_soon_threadsafe(ended.set)
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+                    loop.call_soon_threadsafe(ended.set)
 
         thread = threading.Thread(target=self._keep_in_thread, args=(stop, on_end), name="run-lease", daemon=True)
         thread.start()
