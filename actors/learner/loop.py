@@ -233,8 +233,7 @@ class Learner(Intake):
                 self._signals.batch_ready(waited_s=time.monotonic() - t0)
                 await self._step(entries)
             if self._publishing is not None:  # the last trained version goes out before the learner leaves
-                self._admit_version(self.state.version)
-                self._last_publish_s = await self._publishing.publish(self.state.version, wait=True)
+                await self._publish(wait=True)
             if self._unacked:  # the last steps since a checkpoint: commit them before leaving
                 await self._commit()
             if not self.stop_event.is_set():  # max_steps or target_reward: the run is over, everywhere
@@ -300,8 +299,7 @@ class Learner(Intake):
         assert self._publishing is not None
         if publishing:  # snapshot now; the last step of the run waits for its version to be out
             last = bool(cfg.max_steps) and step >= cfg.max_steps
-            self._admit_version(self.state.version)
-            self._last_publish_s = await self._publishing.publish(self.state.version, wait=last)
+            await self._publish(wait=last)
         committed = self._publishing.take_records()
         evaluated: dict[str, float] = {}
         if self._evals is not None:  # a round due at this version goes out; the newest complete one is reported
@@ -455,6 +453,12 @@ class Learner(Intake):
         """The newest version handed to the publisher (snapshotted; committed or going out)."""
         assert self._publishing is not None
         return self._publishing.offered_version(self.state.published_version)
+
+    async def _publish(self, *, wait: bool) -> None:
+        """Hand the trained version to the publisher (``wait``: until it is out), its samples admitted first."""
+        assert self._publishing is not None
+        self._admit_version(self.state.version)
+        self._last_publish_s = await self._publishing.publish(self.state.version, wait=wait)
 
     def _admit_version(self, version: int) -> None:
         """``version`` goes to the publisher now: samples of it may arrive as soon as its commit is visible, which can
