@@ -76,15 +76,15 @@ def load_entries(optimizer: Any, model: torch.nn.Module, entries: dict[str, Any]
     names = {id(p): n for n, p in model.named_parameters()}
     if len(shards) != len(subs):
         raise ValueError(f"{where} has {len(shards)} optimizer shard sets, this layout builds {len(subs)} optimizers")
-    for sub, shard in zip(subs, shards, strict=True):
-        for name, tensors in _shard_tensors(sub, names):  # every shard's extent checked before anything is written
-            saved = shard.get(name)
-            if saved is None or "param" not in saved or saved["param"].shape != tensors["param"].shape:
-                raise ValueError(f"{where}: the optimizer shard of {name} does not match this rank's (another "
-                                 "data-parallel size or layout wrote it): resume on the layout that wrote it")  # fmt: skip
-        if set(shard) != {n for n, _ in _shard_tensors(sub, names)}:
+    for sub, shard in zip(subs, shards, strict=True):  # every shard's extent checked before anything is written
+        if set(shard) != {names[id(p)] for p in sub.model_param_group_index_map}:
             raise ValueError(f"{where}: its optimizer shards name other parameters than this rank's: resume on the "
                              "layout that wrote it")  # fmt: skip
+        for name, tensors in _shard_tensors(sub, names):
+            saved = shard[name]
+            if "param" not in saved or saved["param"].shape != tensors["param"].shape:
+                raise ValueError(f"{where}: the optimizer shard of {name} does not match this rank's (another "
+                                 "data-parallel size or layout wrote it): resume on the layout that wrote it")  # fmt: skip
     optimizer.load_state_dict(entries[KEY])  # step counts, hyperparameters; allocates the state it then fills
     with torch.no_grad():
         for sub in subs:  # megatron hands every parameter the same step tensor: each its own, as a step leaves them
