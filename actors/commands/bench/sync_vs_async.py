@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> i
     asyncs = {str(s): pick(runs[f"async-{s}"]) for s in args.staleness}
     walls = [a["wall_to_0_9_s"] for a in asyncs.values() if a["wall_to_0_9_s"] is not None]
     best = min(walls) / sync["wall_to_0_9_s"] if walls and sync["wall_to_0_9_s"] else None
-    out = {"bench": "async", "machine": runs["sync"]["machine"], **setup(args), "model": runs["sync"].get("model"),
-           "setup": setup(args), "recipe": recipe()[1], "sync": sync, "async": asyncs, "best_async_vs_sync": best,
+    mine = setup(args)
+    out = {"bench": "async", "machine": runs["sync"]["machine"], **mine, "model": runs["sync"].get("model"),
+           "setup": mine, "recipe": recipe()[1], "sync": sync, "async": asyncs, "best_async_vs_sync": best,
            "runs": runs}  # fmt: skip
     emit(out, args.json, print_skip=("runs",))
     if args.plot:
