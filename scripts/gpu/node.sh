@@ -16,9 +16,7 @@
 set -uo pipefail
 out=${1:?usage: node.sh OUT}
 mkdir -p "$out"
-n=$(python3 -c "import torch; print(torch.cuda.device_count())")
-if [ "$n" -lt 4 ]; then echo "node.sh: needs 4 GPUs, $n visible" >&2; exit 2; fi
-gpu=$(python3 -c "import torch; n=torch.cuda.device_count(); print(torch.cuda.get_device_name(0).split()[1].lower() + 'x' + str(n))")
+source "$(dirname "$0")/node_gpus.sh"
 day=$(date +%Y-%m-%d)
 run_dir=/tmp/run-node-$(date +%s)  # a fresh one: bench loop refuses a directory that holds a run
 json="$out/node-$gpu-moe-5b-megatron-vllm-$day.json"

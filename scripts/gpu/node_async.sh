@@ -11,9 +11,7 @@
 set -uo pipefail
 out=${1:?usage: node_async.sh OUT}
 mkdir -p "$out"
-n=$(python3 -c "import torch; print(torch.cuda.device_count())")
-if [ "$n" -lt 4 ]; then echo "node_async.sh: needs 4 GPUs, $n visible" >&2; exit 2; fi
-gpu=$(python3 -c "import torch; n=torch.cuda.device_count(); print(torch.cuda.get_device_name(0).split()[1].lower() + 'x' + str(n))")
+source "$(dirname "$0")/node_gpus.sh"
 keep=/root/node-async.json
 reuse=()
 if [ -f "$keep" ]; then reuse=(--reuse "$keep"); fi
