@@ -163,7 +163,10 @@ class _Slot(NamedTuple):
     plan: LoadPlan | None
     """The plan ``bound`` was bound to (a re-recorded plan invalidates it)."""
     views: bool
-    """Every one of ``named`` is a view of ``buffers`` (so the next copy into them refreshes it)."""
+    """Every one of ``named`` is a view of ``buffers`` or ``assembled`` (so the next copy and assembly into them
+    refresh it)."""
+    assembled: dict[str, torch.Tensor]
+    """Tensors published in pieces, assembled (the next version of the layout is assembled into them)."""
 
 
 def _layout(m: Any) -> tuple:
@@ -277,8 +280,9 @@ class ArlWorkerExtension:
         The copies land in one of two staging slots, the one not holding the newest staged version (a version
         staged there before is dropped: a newer one is staged already). A slot whose last version had the same
         layout keeps its buffers and its tensors' views, checked and bound to the replayed load: a version then
-        costs its copy and checksums only. That takes every tensor being a view of the buffers: a version with
-        tensors of their own (pieces of several learner ranks assembled, names converted by copying) is assembled,
+        costs its copy and checksums only. Names are converted into views (:mod:`.vllm_weights`); tensors published
+        in pieces by several learner ranks are assembled into tensors the slot keeps too, assembled again in place
+        for each version. A version with any other tensor of its own (a conversion that had to copy) is converted,
         checked and bound again each time, into the same buffers."""
         from async_rl.weights.gpu.cuda_ipc import IpcMapper, IpcUnavailable
         from async_rl.weights.gpu.reader import assemble, copy_buckets
@@ -297,25 +301,28 @@ class ArlWorkerExtension:
             del staged[v]
         layout = _layout(m)
         held = self._arl_slots.get(slot)
-        reuse = held is not None and held.views and held.layout == layout and held.plan is self._arl_plan
-        same_buffers = held.buffers if held is not None and held.layout == layout else None
+        same = held if held is not None and held.layout == layout else None
         try:
-            buffers, sums = copy_buckets(m, device, mapper, stream, into=same_buffers)
+            buffers, sums = copy_buckets(m, device, mapper, stream, into=None if same is None else same.buffers)
         except IpcUnavailable as exc:
             return {"unavailable": str(exc)}
         t1 = time.perf_counter()
-        if reuse:
-            assert held is not None
-            staged[version] = _Staged(held.named, held.bound, slot)
-            how = {"load": "replay (staged before)" if held.bound is not None else "reload"}
+        if same is not None and same.views and same.plan is self._arl_plan:
+            if same.assembled:
+                assemble(m, buffers, device, into=same.assembled)
+            staged[version] = _Staged(same.named, same.bound, slot)
+            how = {"load": "replay (staged before)" if same.bound is not None else "reload"}
         else:
             self._arl_slots.pop(slot, None)
-            tensors = self._arl_weights.prepare(assemble(m, buffers, device))
+            full = assemble(m, buffers, device, into=None if same is None else same.assembled)
+            whole = {t.name for t in m.tensors if t.whole}
+            assembled = {n: t for n, t in full.items() if n not in whole}
+            tensors = self._arl_weights.prepare(full, views=True)
             how = self._arl_keep(version, list(tensors.items()), slot)
             item = staged[version]
-            ptrs = {b.untyped_storage().data_ptr() for b in buffers}
+            ptrs = {b.untyped_storage().data_ptr() for b in [*buffers, *assembled.values()]}
             views = all(t.untyped_storage().data_ptr() in ptrs for _, t in item.named)
-            self._arl_slots[slot] = _Slot(layout, buffers, item.named, item.bound, self._arl_plan, views)
+            self._arl_slots[slot] = _Slot(layout, buffers, item.named, item.bound, self._arl_plan, views, assembled)
         t2 = time.perf_counter()
         return {"sums": sums, "s": t2 - t0, "copy_s": t1 - t0, "prepare_s": t2 - t1, **how}
 

@@ -34,7 +34,7 @@ loop)
     grep -h "vLLM engine: version" /tmp/run-loop-vllm/generator-*.log >> "$out/loop-process-logs.txt"
     tail -40 "$out/loop-process-logs.txt"; exit $rc ;;
 mismatch)
-    timeout 580 python3 scripts/gpu/mismatch.py --model moe-107m --engines vllm,torch --json "$out/mismatch-$gpu-moe-107m-$day.json" \
+    timeout 580 python3 scripts/gpu/mismatch.py --model moe-107m --engines ${MISMATCH_ENGINES:-vllm,vllm-fp32,torch} --json "$out/mismatch-$gpu-moe-107m-$day.json" \
         > "$out/mismatch.log" 2>&1
     rc=$?; tail -30 "$out/mismatch.log"; exit $rc ;;
 swap)

@@ -88,6 +88,11 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
+def _fused(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights under transformers' in-memory names (fused experts), on cuda:0."""
+    return {k: v.detach() for k, v in load_model(model_dir, dtype="bfloat16", device="cuda:0").state_dict().items()}
+
+
 async def _digest(engine: VLLMEngine) -> list[dict[str, str]]:
     return await engine._llm.collective_rpc("arl_param_digest")
 
@@ -182,16 +187,22 @@ async def test_weights_over_cuda_ipc_arrive_bit_for_bit(engine: VLLMEngine, engi
         copier = engine.gpu_copier()
         assert copier is not None
         reader = GpuReader(redis, names, None)
-        # B, A, then B again: the third lands in the first's staging slot and reuses its buffers and views
-        for i, (weights, want) in enumerate([(1, await _digest(engine_b)), (0, digest_a), (1, None)]):
-            tensors = {k: v.cuda() for k, v in _weights(model_dirs[weights]).items()}
+        digest_b = await _digest(engine_b)
+        # B, A, then B again: the third lands in the first's staging slot and reuses its buffers and views. Then
+        # the same under transformers' in-memory names (fused experts, what the learners publish): the worker
+        # converts them into views of its slot, so the sixth reuses the fourth's slot and must not keep its values.
+        plan = [(1, digest_b, False), (0, digest_a, False), (1, digest_b, False), (0, digest_a, True),
+                (1, digest_b, True), (0, digest_a, True)]  # fmt: skip
+        for i, (weights, want, fused) in enumerate(plan):
+            tensors = _fused(model_dirs[weights]) if fused else {k: v.cuda() for k, v in
+                                                                  _weights(model_dirs[weights]).items()}  # fmt: skip
             assert await pub.offer(version + i, lambda t=tensors: t.items())
             await pub.wait_idle()
             fetched = await reader.fetch(version + i, copy=copier)
             assert fetched.tensors == {}
             engine.stage_copied(version + i)
             assert await engine.wait_applied(version + i, SWAP_TIMEOUT_S), engine.last_stage_error
-            assert await _digest(engine) == (want or await _digest(engine_b)), f"IPC version {i}"
+            assert await _digest(engine) == want, f"IPC version {i} ({'fused' if fused else 'checkpoint'} names)"
         _report("ipc_copy_s", engine.last_stage_s)
         _report("ipc_swap_pause_s", engine.last_swap_pause_s)
         _report("ipc_swap_load_s", engine.last_load_s)

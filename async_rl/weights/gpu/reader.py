@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import redis.asyncio as aioredis
 import torch
@@ -156,8 +156,10 @@ def copy_buckets(manifest: Manifest, device: torch.device, mapper: IpcMapper, st
     return buffers, [to_unsigned(int(x)) for x in sums.tolist()]
 
 
-def assemble(manifest: Manifest, buffers: list[torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Each tensor a view of its bucket, or assembled on ``device`` from the pieces of several ranks."""
+def assemble(manifest: Manifest, buffers: list[torch.Tensor], device: torch.device,
+             into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Each tensor a view of its bucket, or assembled on ``device`` from the pieces of several ranks: into new
+    tensors, or into ``into``'s (the tensors an earlier call assembled for a version of the same layout)."""
     out: dict[str, torch.Tensor] = {}
     assembling = False
     with torch.cuda.device(device):
@@ -166,7 +168,7 @@ def assemble(manifest: Manifest, buffers: list[torch.Tensor], device: torch.devi
                 out[t.name] = _piece(buffers, t, 0)
                 continue
             assembling = True
-            full = torch.empty(t.shape, dtype=DTYPES[t.dtype], device=device)
+            full = into[t.name] if into is not None else torch.empty(t.shape, dtype=DTYPES[t.dtype], device=device)
             for i, p in enumerate(t.pieces):
                 full.narrow(p.dim, p.start, p.length).copy_(_piece(buffers, t, i))
             out[t.name] = full
