@@ -177,6 +177,7 @@ async def test_weights_over_cuda_ipc_arrive_bit_for_bit(engine: VLLMEngine, engi
     from async_rl.weights.gpu.reader import GpuReader
 
     names = Names(prefix=f"t-vllm-{uuid.uuid4().hex[:8]}")
+    prefixes = [names]
     redis = aioredis.Redis.from_url(servers.redis_url)
     cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=64 << 20)
     pub = GpuPublisher(redis, names, cfg, local_slots("cuda:0", cfg))
@@ -196,6 +197,12 @@ async def test_weights_over_cuda_ipc_arrive_bit_for_bit(engine: VLLMEngine, engi
         for i, (weights, want, fused) in enumerate(plan):
             tensors = _fused(model_dirs[weights]) if fused else {k: v.cuda() for k, v in
                                                                   _weights(model_dirs[weights]).items()}  # fmt: skip
+            if fused and not plan[i - 1][2]:  # a publisher's GPU slots keep the first version's names: a new run
+                names = Names(prefix=f"t-vllm-{uuid.uuid4().hex[:8]}")
+                prefixes.append(names)
+                pub = GpuPublisher(redis, names, cfg, local_slots("cuda:0", cfg))
+                await pub.clean()
+                reader = GpuReader(redis, names, None)
             assert await pub.offer(version + i, lambda t=tensors: t.items())
             await pub.wait_idle()
             fetched = await reader.fetch(version + i, copy=copier)
@@ -207,9 +214,10 @@ async def test_weights_over_cuda_ipc_arrive_bit_for_bit(engine: VLLMEngine, engi
         _report("ipc_swap_pause_s", engine.last_swap_pause_s)
         _report("ipc_swap_load_s", engine.last_load_s)
     finally:
-        keys = [k async for k in redis.scan_iter(match=names.all_key_pattern())]
-        if keys:
-            await redis.delete(*keys)
+        for n in prefixes:
+            keys = [k async for k in redis.scan_iter(match=n.all_key_pattern())]
+            if keys:
+                await redis.delete(*keys)
         await redis.aclose()
 
 
