@@ -158,6 +158,8 @@ class _Slot(NamedTuple):
 
     layout: tuple
     buffers: list[torch.Tensor]
+    """The buckets as copied (none for a version published in pieces: its buckets are received into buffers both
+    slots share, and every tensor is assembled into ``assembled``)."""
     named: list[tuple[str, torch.Tensor]]
     bound: Bound | None
     plan: LoadPlan | None
@@ -166,7 +168,8 @@ class _Slot(NamedTuple):
     """Every one of ``named`` is a view of ``buffers`` or ``assembled`` (so the next copy and assembly into them
     refresh it)."""
     assembled: dict[str, torch.Tensor]
-    """Tensors published in pieces, assembled (the next version of the layout is assembled into them)."""
+    """A version published in pieces: all its tensors, assembled (the next one of the layout is assembled into
+    them)."""
 
 
 def _layout(m: Any) -> tuple:
@@ -194,6 +197,7 @@ class ArlWorkerExtension:
         self._arl_ipc: Any = None
         self._arl_plan: LoadPlan | None = None
         self._arl_slots: dict[int, _Slot] = {}
+        self._arl_receive: tuple[tuple, list[torch.Tensor]] | None = None
         info: dict[str, Any] = {"num_layers": 0, "top_k": 0}
         if capture_routes:
             dtype = route_dtype(num_experts)
@@ -280,10 +284,11 @@ class ArlWorkerExtension:
         The copies land in one of two staging slots, the one not holding the newest staged version (a version
         staged there before is dropped: a newer one is staged already). A slot whose last version had the same
         layout keeps its buffers and its tensors' views, checked and bound to the replayed load: a version then
-        costs its copy and checksums only. Names are converted into views (:mod:`.vllm_weights`); tensors published
-        in pieces by several learner ranks are assembled into tensors the slot keeps too, assembled again in place
-        for each version. A version with any other tensor of its own (a conversion that had to copy) is converted,
-        checked and bound again each time, into the same buffers."""
+        costs its copy and checksums only. Names are converted into views (:mod:`.vllm_weights`). A version that
+        several learner ranks publish in pieces is received into buckets both slots share and assembled, every
+        tensor, into tensors the slot keeps (one version's memory a slot, plus the shared buckets, instead of the
+        buckets and the assembled tensors each), assembled again in place for the next one. A version with any
+        other tensor of its own (a conversion that had to copy) is converted, checked and bound again each time."""
         from async_rl.weights.gpu.cuda_ipc import IpcMapper, IpcUnavailable
         from async_rl.weights.gpu.reader import assemble, copy_buckets
         from async_rl.weights.manifest import Manifest
@@ -302,27 +307,31 @@ class ArlWorkerExtension:
         layout = _layout(m)
         held = self._arl_slots.get(slot)
         same = held if held is not None and held.layout == layout else None
+        pieced = not all(t.whole for t in m.tensors)  # every tensor assembled into the slot; buckets received shared
+        receive = self._arl_receive if pieced and self._arl_receive and self._arl_receive[0] == layout else None
         try:
-            buffers, sums = copy_buckets(m, device, mapper, stream, into=None if same is None else same.buffers)
+            into = receive[1] if receive is not None else None if pieced or same is None else same.buffers
+            buffers, sums = copy_buckets(m, device, mapper, stream, into=into)
         except IpcUnavailable as exc:
             return {"unavailable": str(exc)}
+        self._arl_receive = (layout, buffers) if pieced else None
         t1 = time.perf_counter()
         if same is not None and same.views and same.plan is self._arl_plan:
-            if same.assembled:
-                assemble(m, buffers, device, into=same.assembled)
+            if pieced:
+                assemble(m, buffers, device, into=same.assembled, own=True)
             staged[version] = _Staged(same.named, same.bound, slot)
             how = {"load": "replay (staged before)" if same.bound is not None else "reload"}
         else:
             self._arl_slots.pop(slot, None)
-            full = assemble(m, buffers, device, into=None if same is None else same.assembled)
-            whole = {t.name for t in m.tensors if t.whole}
-            assembled = {n: t for n, t in full.items() if n not in whole}
+            full = assemble(m, buffers, device, into=None if same is None else same.assembled, own=pieced)
+            assembled = full if pieced else {}
+            kept = [] if pieced else buffers
             tensors = self._arl_weights.prepare(full, views=True)
             how = self._arl_keep(version, list(tensors.items()), slot)
             item = staged[version]
-            ptrs = {b.untyped_storage().data_ptr() for b in [*buffers, *assembled.values()]}
+            ptrs = {b.untyped_storage().data_ptr() for b in [*kept, *assembled.values()]}
             views = all(t.untyped_storage().data_ptr() in ptrs for _, t in item.named)
-            self._arl_slots[slot] = _Slot(layout, buffers, item.named, item.bound, self._arl_plan, views, assembled)
+            self._arl_slots[slot] = _Slot(layout, kept, item.named, item.bound, self._arl_plan, views, assembled)
         t2 = time.perf_counter()
         return {"sums": sums, "s": t2 - t0, "copy_s": t1 - t0, "prepare_s": t2 - t1, **how}
 

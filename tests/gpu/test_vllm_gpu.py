@@ -88,9 +88,17 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
-def _fused(model_dir: Path) -> dict[str, torch.Tensor]:
-    """The weights under transformers' in-memory names (fused experts), on cuda:0."""
-    return {k: v.detach() for k, v in load_model(model_dir, dtype="bfloat16", device="cuda:0").state_dict().items()}
+def _source(model_dir: Path, mode: str) -> list:
+    """What a learner offers its GPU slots, on cuda:0: the checkpoint's tensors (``checkpoint``), transformers'
+    in-memory names (``fused``: fused experts), or those as pieces each covering its tensor (``pieces``)."""
+    from async_rl.weights.snapshot import Piece
+
+    if mode == "checkpoint":
+        return [(k, v.cuda()) for k, v in _weights(model_dir).items()]
+    state = {k: v.detach() for k, v in load_model(model_dir, dtype="bfloat16", device="cuda:0").state_dict().items()}
+    if mode == "fused":
+        return list(state.items())
+    return [Piece(k, v, full_shape=tuple(v.shape)) if v.dim() else Piece(k, v) for k, v in state.items()]
 
 
 async def _digest(engine: VLLMEngine) -> list[dict[str, str]]:
@@ -191,25 +199,26 @@ async def test_weights_over_cuda_ipc_arrive_bit_for_bit(engine: VLLMEngine, engi
         digest_b = await _digest(engine_b)
         # B, A, then B again: the third lands in the first's staging slot and reuses its buffers and views. Then
         # the same under transformers' in-memory names (fused experts, what the learners publish): the worker
-        # converts them into views of its slot, so the sixth reuses the fourth's slot and must not keep its values.
-        plan = [(1, digest_b, False), (0, digest_a, False), (1, digest_b, False), (0, digest_a, True),
-                (1, digest_b, True), (0, digest_a, True)]  # fmt: skip
-        for i, (weights, want, fused) in enumerate(plan):
-            tensors = _fused(model_dirs[weights]) if fused else {k: v.cuda() for k, v in
-                                                                  _weights(model_dirs[weights]).items()}  # fmt: skip
-            if fused and not plan[i - 1][2]:  # a publisher's GPU slots keep the first version's names: a new run
+        # converts them into views of its slot, so the third of them reuses the first's slot and must not keep its
+        # values. Then fused names published as pieces (each a piece covering its tensor, as a rank of a learner
+        # in several ranks publishes its slice): received into shared buckets and assembled into the slots.
+        plan = [(w, want, mode) for mode in ("checkpoint", "fused", "pieces")
+                for w, want in ((1, digest_b), (0, digest_a), (1, digest_b))]  # fmt: skip
+        for i, (weights, want, mode) in enumerate(plan):
+            source = _source(model_dirs[weights], mode)
+            if i and mode != plan[i - 1][2]:  # a publisher's GPU slots keep the first version's layout: a new run
                 names = Names(prefix=f"t-vllm-{uuid.uuid4().hex[:8]}")
                 prefixes.append(names)
                 pub = GpuPublisher(redis, names, cfg, local_slots("cuda:0", cfg))
                 await pub.clean()
                 reader = GpuReader(redis, names, None)
-            assert await pub.offer(version + i, lambda t=tensors: t.items())
+            assert await pub.offer(version + i, lambda s=source: s)
             await pub.wait_idle()
             fetched = await reader.fetch(version + i, copy=copier)
             assert fetched.tensors == {}
             engine.stage_copied(version + i)
             assert await engine.wait_applied(version + i, SWAP_TIMEOUT_S), engine.last_stage_error
-            assert await _digest(engine) == want, f"IPC version {i} ({'fused' if fused else 'checkpoint'} names)"
+            assert await _digest(engine) == want, f"IPC version {i} ({mode})"
         _report("ipc_copy_s", engine.last_stage_s)
         _report("ipc_swap_pause_s", engine.last_swap_pause_s)
         _report("ipc_swap_load_s", engine.last_load_s)

@@ -19,6 +19,7 @@ or namespace, a device it cannot see): the caller then reads versions through th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -157,21 +158,25 @@ def copy_buckets(manifest: Manifest, device: torch.device, mapper: IpcMapper, st
 
 
 def assemble(manifest: Manifest, buffers: list[torch.Tensor], device: torch.device,
-             into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+             into: Mapping[str, torch.Tensor] | None = None, own: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
     """Each tensor a view of its bucket, or assembled on ``device`` from the pieces of several ranks: into new
-    tensors, or into ``into``'s (the tensors an earlier call assembled for a version of the same layout)."""
+    tensors, or into ``into``'s (the tensors an earlier call assembled for a version of the same layout). With
+    ``own``, whole tensors are copied out of the buckets too (the buckets may then take the next version)."""
     out: dict[str, torch.Tensor] = {}
     assembling = False
-    with torch.cuda.device(device):
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         for t in manifest.tensors:
-            if t.whole:
+            if t.whole and not own:
                 out[t.name] = _piece(buffers, t, 0)
                 continue
             assembling = True
             full = into[t.name] if into is not None else torch.empty(t.shape, dtype=DTYPES[t.dtype], device=device)
-            for i, p in enumerate(t.pieces):
-                full.narrow(p.dim, p.start, p.length).copy_(_piece(buffers, t, i))
+            if t.whole:
+                full.copy_(_piece(buffers, t, 0))
+            else:
+                for i, p in enumerate(t.pieces):
+                    full.narrow(p.dim, p.start, p.length).copy_(_piece(buffers, t, i))
             out[t.name] = full
-        if assembling:
+        if assembling and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
     return out
