@@ -2,9 +2,13 @@
 
 :meth:`RolloutWriter.append` waits while the stream's unconsumed backlog is at ``max_backlog`` or above (one warning
 line when it starts waiting, one when it resumes), woken by the reader's acks through ``Names.rollout_acks_stream``
-(a blocking ``XREAD``, no polling), and raises :class:`BackpressureTimeout` after ``backpressure_timeout_s``. Each
-append reads the backlog back in its own transaction; while that stays below ``max_backlog - 1`` the next append skips
-the check (a round trip saved per group), so W writers at once can overshoot the bound by W - 1. A record larger than
+(a blocking ``XREAD``, no polling), and raises :class:`BackpressureTimeout` after ``backpressure_timeout_s``. The
+learner acks what it trained only when a checkpoint covers it, so up to ``checkpoint.every x batch_groups`` groups
+stay in the stream read; the learner publishes that number (:data:`LEARNER_HOLD_FIELD`) and the stream may hold it
+on top of ``max_backlog`` (a bound below it would make the generator wait for acks the learner can only give after
+groups it may not append). Each append reads the stream's length back in its own transaction; while that stays below
+the bound minus one the next append skips the check (a round trip saved per group), so W writers at once can
+overshoot the bound by W - 1. A record larger than
 ``inline_max_bytes`` travels under its own key, the entry pointing to it. The entry's fields are named here; the
 reading side is :mod:`buffer.rollouts`.
 """
@@ -44,10 +48,6 @@ class BackpressureTimeout(TimeoutError):
     """The rollout backlog stayed above ``max_backlog`` for ``backpressure_timeout_s``."""
 
 
-class BacklogBelowLearnerHold(ValueError):
-    """``max_backlog`` is below what the learner holds unacked between checkpoints: waiting could never end."""
-
-
 LEARNER_HOLD_FIELD = "unacked_groups_max"
 """Field of ``Names.learner_state``: the most groups the learner keeps read but unacked (``checkpoint.every``
 x ``batch_groups``: entries are acked when the checkpoint covering them is written, and count in the backlog)."""
@@ -58,8 +58,9 @@ class RolloutWriterConfig:
     """Generator side of the rollout stream."""
 
     max_backlog: int = 512
-    """Append waits while this many groups are in the stream unconsumed (the learner's admission
-    control normally keeps far fewer in flight; this is the safety net)."""
+    """Append waits while this many groups are in the stream unconsumed, on top of those the learner holds read
+    between checkpoints (the learner's admission control normally keeps far fewer in flight; this is the safety
+    net)."""
     backpressure_timeout_s: float = 600.0
     """How long append waits for the backlog to drop before raising BackpressureTimeout."""
     inline_max_bytes: int = 256 * 1024
@@ -91,11 +92,18 @@ class RolloutWriter:
         self.names = names
         self.cfg = cfg or RolloutWriterConfig()
         self._buffers = []  # warm encode buffers, reused between appends (see wire.encode_group_into)
-        self._backlog = None  # backlog seen by this writer's last append (None: not known yet)
+        self._backlog = None  # stream length seen by this writer's last append (None: not known yet)
+        self._bound = self.cfg.max_backlog  # the stream length appends wait at (max_backlog + the learner's hold)
 
     async def backlog(self) -> int:
-        """Groups in the stream not yet consumed (read or not)."""
+        """Groups in the stream: not yet read, or read and not yet acked (the learner's hold)."""
         return int(await self.redis.xlen(self.names.rollouts_stream))
+
+    async def bound(self) -> int:
+        """The stream length appends wait at: ``max_backlog`` on top of what the learner holds (module docstring)."""
+        held = await self.redis.hget(self.names.learner_state, LEARNER_HOLD_FIELD)
+        self._bound = self.cfg.max_backlog + (int(held) if held is not None else 0)
+        return self._bound
 
     async def append(self, rec: GroupRecord) -> str:
         """Encode (validating: raises WireError), wait for room, append; returns the entry id."""
@@ -112,7 +120,7 @@ class RolloutWriter:
 
     async def append_encoded(self, data: bytes | memoryview, *, generator_id: str, group_id: str) -> str:
         """Append an already encoded record (benchmarks, relays)."""
-        if self._backlog is None or self._backlog >= self.cfg.max_backlog - 1:
+        if self._backlog is None or self._backlog >= self._bound - 1:
             await self.wait_for_room()
         fields: dict[Any, Any] = {GENERATOR_FIELD: generator_id, GROUP_ID_FIELD: group_id}
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -130,30 +138,24 @@ class RolloutWriter:
         return sid(res[-3])
 
     async def wait_for_room(self) -> None:
-        """Return once the backlog is below ``max_backlog``; raise BackpressureTimeout after the timeout."""
-        if await self.backlog() < self.cfg.max_backlog:
+        """Return once the stream is below :meth:`bound`; raise BackpressureTimeout after the timeout."""
+        if await self.backlog() < await self.bound():
             return
         acks = self.names.rollout_acks_stream
         # Take the acks cursor *before* looking at the backlog again: an ack landing in between still wakes us.
         last: Any = await self.redis.xrevrange(acks, count=1)
         cursor = sid(last[0][0]) if last else "0-0"
         backlog = await self.backlog()
-        if backlog < self.cfg.max_backlog:
+        if backlog < await self.bound():
             return
-        held = await self.redis.hget(self.names.learner_state, LEARNER_HOLD_FIELD)
-        if held is not None and int(held) > self.cfg.max_backlog:
-            raise BacklogBelowLearnerHold(
-                f"rollouts.max_backlog={self.cfg.max_backlog} is below the {int(held)} groups the learner holds "
-                f"unacked between checkpoints (learner checkpoint.every x batch_groups): the learner would wait "
-                f"for groups this generator may not append. Raise rollouts.max_backlog above {int(held)} or lower "
-                f"the learner's checkpoint.every"
-            )
         started = time.monotonic()
         deadline = started + self.cfg.backpressure_timeout_s
         log.warning(
-            "rollout backlog %d >= max_backlog %d: waiting up to %.0f s for the learner to consume",
+            "rollout backlog %d >= max_backlog %d + %d groups the learner holds until its next checkpoint: waiting "
+            "up to %.0f s for the learner to consume",
             backlog,
             self.cfg.max_backlog,
+            self._bound - self.cfg.max_backlog,
             self.cfg.backpressure_timeout_s,
         )
         while True:
@@ -168,6 +170,6 @@ class RolloutWriter:
             if resp:
                 cursor = sid(resp[0][1][-1][0])
             backlog = await self.backlog()
-            if backlog < self.cfg.max_backlog:
+            if backlog < await self.bound():
                 log.warning("rollout backlog %d: resuming after %.1f s", backlog, time.monotonic() - started)
                 return

@@ -8,12 +8,10 @@
 # OUT/node.log (bench loop's output) and OUT/node-process-logs.txt (the tail of each process's log, then every
 # "vLLM engine: version" line of the generators: each swap's breakdown).
 # Checkpoints every NODE_CHECKPOINT_EVERY=100 steps, i.e. not within the run: a Megatron checkpoint of this model
-# takes tens of seconds and the generators idle meanwhile. The generators' rollout backlog (NODE_MAX_BACKLOG=4096)
-# must exceed the groups the learner holds unacked between checkpoints (checkpoint.every x 32), or they refuse to
-# start. The generators keep NODE_GEN_MEM=0.5 of their GPU for vLLM (40 GB: weights 10.1 GB, graphs, the rest KV
-# cache): the other 40 GB is room for the worker's staging (~30 GB: the version as received from the two learner
-# ranks, 10.1 GB, and two slots of it assembled) and, at start, the checkpoint it loads once to prove the replayed
-# load (freed before the first version).
+# takes tens of seconds and the generators idle meanwhile. The generators keep NODE_GEN_MEM=0.5 of their GPU for
+# vLLM (40 GB: weights 10.1 GB, graphs, the rest KV cache): the other 40 GB is room for the worker's staging (~30 GB:
+# the version as received from the two learner ranks, 10.1 GB, and two slots of it assembled) and, at start, the
+# checkpoint it loads once to prove the replayed load (freed before the first version).
 # The learner runs the distributed optimizer (NODE_DIST_OPT=true; docs/megatron.md): at EP=2 on two ranks the experts
 # (95 % of the parameters) have one replica each, so it shards the dense 5 % (fp32 copy and Adam state: 1.4 GB a rank saved).
 set -uo pipefail
@@ -28,7 +26,6 @@ timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model moe-5
     --generators 2 --generator-engine vllm --generator-devices cuda:2,cuda:3 \
     --learner megatron.expert_parallel=2 --learner megatron.lr=1e-5 \
     --learner megatron.distributed_optimizer=${NODE_DIST_OPT:-true} --learner checkpoint.every=${NODE_CHECKPOINT_EVERY:-100} \
-    --generator rollouts.max_backlog=${NODE_MAX_BACKLOG:-4096} \
     --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} \
     --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
 rc=$?

@@ -21,7 +21,6 @@ timeout ${NODE_ASYNC_TIMEOUT:-590} python3 -m actors.commands bench async --json
     --max-minutes ${NODE_ASYNC_MINUTES:-4} --run-dir /tmp/bench-async-node \
     --backend megatron --learner-nproc 2 --learner megatron.expert_parallel=2 \
     --learner megatron.distributed_optimizer=true --learner checkpoint.every=100 \
-    --generator rollouts.max_backlog=4096 \
     --generators 2 --generator-engine vllm --generator-devices cuda:2,cuda:3 \
     --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} "${reuse[@]}" > "$out/node-async.log" 2>&1
 rc=$?

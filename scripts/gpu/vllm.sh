@@ -26,7 +26,6 @@ generate)
 loop)
     timeout ${LOOP_TIMEOUT:-590} python3 -m actors.commands bench loop --model moe-1.6b --device cuda --backend megatron --steps ${LOOP_STEPS:-50} \
         --max-minutes ${LOOP_MINUTES:-8} --generators 1 --generator-engine vllm --generator-devices cuda:1 --learner megatron.lr=1e-5 --learner checkpoint.every=${LOOP_CHECKPOINT_EVERY:-100} \
-        --generator rollouts.max_backlog=${LOOP_MAX_BACKLOG:-4096} \
         --json "$out/loop-$gpu-1.6b-megatron-vllm-$day.json" --run-dir /tmp/run-loop-vllm \
         > "$out/loop.log" 2>&1
     rc=$?; tail -5 "$out/loop.log"; for f in /tmp/run-loop-vllm/*.log; do echo "== $f"; tail -8 "$f"; done \

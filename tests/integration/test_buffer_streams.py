@@ -16,7 +16,6 @@ from buffer.dead_letters import DeadLetters
 from buffer.prompts import PromptQueue, PromptQueueConfig
 from buffer.rollout_writer import (
     LEARNER_HOLD_FIELD,
-    BacklogBelowLearnerHold,
     BackpressureTimeout,
     RolloutWriter,
     RolloutWriterConfig,
@@ -217,17 +216,20 @@ async def test_rollout_backpressure_times_out(redis_client, names):
     assert await redis_client.xlen(names.rollouts_stream) == 1
 
 
-async def test_a_backlog_below_the_learners_hold_is_refused_at_once(redis_client, names):
-    # The learner acks at checkpoints: 3 x 4 groups stay in the stream, read but unacked. A bound of 2 would make the
-    # generator wait for acks the learner can only give after groups the generator may not append.
+async def test_the_learners_hold_counts_on_top_of_the_backlog_bound(redis_client, names):
+    # The learner acks at checkpoints: 3 x 4 groups stay in the stream, read but unacked. A bound of 2 counts on top
+    # of them: 14 groups go in, the 15th waits for an ack (a bound below the hold would wait for acks forever).
     await redis_client.hset(names.learner_state, mapping={LEARNER_HOLD_FIELD: 12})
     w = RolloutWriter(redis_client, names, RolloutWriterConfig(max_backlog=2, backpressure_timeout_s=60))
-    await w.append(_group(0))
-    await w.append(_group(1))
-    t0 = time.monotonic()
-    with pytest.raises(BacklogBelowLearnerHold, match="rollouts.max_backlog=2 is below the 12 groups"):
-        await w.append(_group(2))
-    assert time.monotonic() - t0 < 5.0 and await redis_client.xlen(names.rollouts_stream) == 2
+    for i in range(14):
+        await asyncio.wait_for(w.append(_group(i)), timeout=5)
+    blocked = asyncio.create_task(w.append(_group(14)), name="blocked-append")
+    await asyncio.sleep(0.3)
+    assert not blocked.done() and await redis_client.xlen(names.rollouts_stream) == 14
+    r = RolloutReader(redis_client, names)
+    await r.ack(await r.read("learner", count=1))
+    await asyncio.wait_for(blocked, timeout=5)
+    assert await redis_client.xlen(names.rollouts_stream) == 14
 
 
 async def test_decoded_record_is_zero_copy(redis_client, names):
