@@ -206,8 +206,12 @@ class GeneratorConfig:
     """Seconds between heartbeats on NATS."""
     read_block_ms: int = 1000
     """How long one prompt read blocks when the stream is empty."""
+    batches_in_flight: int = 0
+    """Batches of up to the engine's ``max_batch_prompts`` generating at once (0: the engine's default, 2 for vLLM,
+    whose continuous batching takes the next batch in while the last one's longest samples finish, 1 for the torch
+    engine; :mod:`actors.generator.work`)."""
     drain_timeout_s: float = 30.0
-    """On SIGTERM: time allowed to finish the batch in hand before its prompts are released to others."""
+    """On SIGTERM: time allowed to finish the batches in hand before their prompts are released to others."""
     max_prompts: int = 0
     """Stop after this many prompts (0: run until stopped). For tests and benchmarks."""
     max_failed_groups: int = 8
@@ -228,6 +232,8 @@ class GeneratorConfig:
             raise ValueError("generator.heartbeat_interval_s must be > 0")
         if self.read_block_ms < 1:
             raise ValueError("generator.read_block_ms must be >= 1")
+        if self.batches_in_flight < 0:
+            raise ValueError("generator.batches_in_flight must be >= 0 (0: the engine's default)")
         if self.drain_timeout_s < 0:
             raise ValueError("generator.drain_timeout_s must be >= 0")
         if self.max_prompts < 0:

@@ -1,11 +1,9 @@
 """The generator process loop: prompts in, scored groups out, weights followed in the background.
 
-Tasks (named, in one TaskGroup): ``work`` (read prompts through the consumer group, generate,
-score, push one group record, ack the prompt only after the push; an environment task runs one episode of
-several turns per sample instead, :mod:`actors.generator.episodes`; a group whose reward or environment raised goes
-to the dead letters instead, :mod:`actors.generator.scoring`), ``heartbeat`` (NATS),
-and the weight sync's own fetch/poll tasks. Control messages (pause/resume/drain/stop) and
-SIGTERM/SIGINT set events; shutdown has two phases: stop taking prompts and finish the batch
+Tasks (in one TaskGroup): the work loop (:mod:`actors.generator.work`: read prompts through the consumer group,
+several batches generating at once, score, push one group record, ack the prompt only after the push),
+``heartbeat`` (NATS), and the weight sync's own fetch/poll tasks. Control messages (pause/resume/drain/stop) and
+SIGTERM/SIGINT set events; shutdown has two phases: stop taking prompts and finish the batches
 in hand within ``drain_timeout_s``, then release whatever is still held so other generators
 take it at once. When the learner announces the end of the run (:mod:`async_rl.run.end`, on NATS and in
 Redis) the generator drains the same way and exits 0, unless ``on_run_end=wait``. A SIGKILL loses nothing either: the prompts stay pending in the consumer
@@ -16,23 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import time
-from collections import defaultdict
-from typing import Any
 
-import numpy as np
 import redis.asyncio as aioredis
 
 from actors.generator.config import GeneratorConfig
-from actors.generator.engine import Engine, SamplingParams
-from actors.generator.episodes import run_group
+from actors.generator.engine import Engine
 from actors.generator.join import check_join
 from actors.generator.metrics import GeneratorMetrics
-from actors.generator.scoring import ScoredGroup, Scoring
+from actors.generator.scoring import Scoring
 from actors.generator.weight_sync import WeightSync
+from actors.generator.work import BusyClock, Work
 from async_rl.process.lifecycle import named_task, raise_if_cancel_requested, redact_url
 from async_rl.process.repeated import RepeatedLine
 from async_rl.run.end import read_run_end
@@ -40,17 +34,11 @@ from async_rl.servers.control import Control, ControlPlane, Heartbeat, Message, 
 from async_rl.servers.reach import redis_client
 from async_rl.tasks.base import Task
 from async_rl.tasks.config import build_task
-from async_rl.tasks.envs.base import EnvTask
-from async_rl.tasks.mixture import SOURCE_KEY
 from async_rl.weights import WeightReader
 from async_rl.weights.gpu.reader import GpuReader
 from async_rl.weights.transport import make_transport
-from async_rl.wire.sampling import Sampling
-from async_rl.wire.types import GroupRecord, Sample
-from buffer.dead_letters import error_line
-from buffer.evals import GREEDY_KEY, EvalQueue
+from buffer.evals import EvalQueue
 from buffer.prompts import PromptEntry, PromptQueue
-from buffer.rollout_writer import RolloutWriter
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +66,7 @@ def gpu_reader(cfg: GeneratorConfig, engine: Engine, redis: aioredis.Redis) -> G
     return GpuReader(redis, cfg.run.names, device, cfg.weight_sync.reader, reader_id=cfg.generator_id)
 
 
-class Generator:
+class Generator(Work):
     """One generator process (see the module docstring)."""
 
     cfg: GeneratorConfig
@@ -88,11 +76,11 @@ class Generator:
     """Cleared while paused."""
     num_prompts: int
     num_tokens: int
-    generate_s: float
-    """Seconds spent in the engine's generate since start (heartbeats carry it: the busy share)."""
+    _busy: BusyClock
+    """When the engine was generating (``generate_s``, the busy share heartbeats carry)."""
     version_wait_s: float
-    """Seconds spent waiting for a prompt's ``min_version`` (synchronous mode), or for a version about to arrive
-    (``weight_sync.fresh_wait_s``), since start."""
+    """Seconds batches spent waiting for a prompt's ``min_version`` (synchronous mode), or for a version about to
+    arrive (``weight_sync.fresh_wait_s``), since start (summed over batches in flight at once)."""
     _fresh_waited: int
     """The newest version a batch waited for (:meth:`_fresh_weights`)."""
     state: str
@@ -128,7 +116,8 @@ class Generator:
         self._done = asyncio.Event()
         self.num_prompts = 0
         self.num_tokens = 0
-        self.generate_s = self.version_wait_s = 0.0
+        self._busy = BusyClock()
+        self.version_wait_s = 0.0
         self._fresh_waited = -1
         self.state = "starting"
         self._redis = None
@@ -332,164 +321,3 @@ class Generator:
                 await asyncio.wait_for(self._done.wait(), self.cfg.heartbeat_interval_s)
             if self._done.is_set():
                 return
-
-    # ------------------------------------------------------------------ work
-    async def _work_loop(self) -> None:
-        assert self._redis is not None and self._engine is not None and self._prompts is not None
-        cfg = self.cfg
-        prompts = self._prompts
-        writer = RolloutWriter(self._redis, cfg.run.names, cfg.rollouts)
-        while not self.stop_event.is_set():
-            raise_if_cancel_requested()
-            if not self.resume_event.is_set():
-                await self.resume_event.wait()
-                continue
-            want = self._engine.max_batch_prompts
-            if cfg.max_prompts:
-                want = min(want, cfg.max_prompts - self.num_prompts)
-                if want <= 0:
-                    log.info("generator %s: max_prompts reached", cfg.generator_id)
-                    return
-            assert self._evals is not None
-            evals = await self._evals.read(cfg.generator_id, want)  # evaluation first: a round is small and due now
-            if evals:
-                self._held_evals = list(evals)
-                await self._evaluate(evals)
-                continue
-            entries = await prompts.read(cfg.generator_id, want, block_ms=cfg.read_block_ms)
-            if not entries:
-                continue
-            self._held = list(entries)
-            await self._process(entries, prompts, writer)
-
-    async def _process(self, entries: list[PromptEntry], prompts: PromptQueue, writer: RolloutWriter) -> None:
-        """Generate, score and push every entry, acking each prompt right after its group is pushed."""
-        by_params: dict[Sampling, list[PromptEntry]] = defaultdict(list)
-        for e in entries:
-            by_params[self._sampling(e)].append(e)
-        for sp, group in by_params.items():
-            params = SamplingParams(n=sp.n, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
-                                    top_p=sp.top_p, top_k=sp.top_k, mask_special_tokens=sp.mask_special_tokens)  # fmt: skip
-            t0 = time.time()
-            gen = asyncio.ensure_future(self._generate(group, params))
-            abort = asyncio.ensure_future(self._abort_event.wait())
-            done, _ = await asyncio.wait({gen, abort}, return_when=asyncio.FIRST_COMPLETED)
-            if gen not in done:
-                gen.cancel()
-                await asyncio.gather(gen, return_exceptions=True)  # its outcome no longer matters
-                return  # held prompts are released by close()
-            abort.cancel()
-            results = gen.result()
-            gen_s = time.time() - t0
-            for entry, scored in zip(group, results, strict=True):
-                samples = scored.samples
-                if scored.failed:  # the task's code raised on it: the dead letters, with the error, and go on
-                    await asyncio.shield(self._dead_letter(prompts, entry, scored))
-                else:
-                    await writer.append(self._record(entry, samples, gen_s))
-                    await asyncio.shield(prompts.ack([entry]))
-                self._held = [h for h in self._held if h.entry_id != entry.entry_id]
-                self.num_prompts += 1
-                num_tokens = sum(int(s.response_ids.size) for s in samples)
-                self.num_tokens += num_tokens
-                self._metrics.generated(1, num_tokens)
-                self._scoring.judge(scored)  # every sample of too many groups in a row failed: ScoringFailed
-
-    async def _dead_letter(self, prompts: PromptQueue, entry: PromptEntry, scored: ScoredGroup) -> None:
-        assert scored.first_error is not None
-        await prompts.dead_letter(entry, scored.dead_letter_reason(), error_line(scored.first_error),
-                                  self.cfg.generator_id)  # fmt: skip
-        self._metrics.dead_lettered()
-
-    async def _evaluate(self, entries: list[PromptEntry]) -> None:
-        """Generate and score evaluation prompts; each result goes to the evaluation queue with the prompt's ack
-        (buffer/evals.py), never to the rollout stream."""
-        assert self._evals is not None and self._task is not None
-        by_params: dict[tuple[Sampling, bool], list[PromptEntry]] = defaultdict(list)
-        for e in entries:
-            by_params[(self._sampling(e), bool(e.spec.metadata.get(GREEDY_KEY)))].append(e)
-        for (sp, greedy), group in by_params.items():
-            params = SamplingParams(n=sp.n, max_new_tokens=sp.max_new_tokens, temperature=0.0 if greedy else sp.temperature,
-                                    top_p=sp.top_p, top_k=sp.top_k, mask_special_tokens=sp.mask_special_tokens)  # fmt: skip
-            gen = asyncio.ensure_future(self._generate(group, params))
-            abort = asyncio.ensure_future(self._abort_event.wait())
-            done, _ = await asyncio.wait({gen, abort}, return_when=asyncio.FIRST_COMPLETED)
-            if gen not in done:
-                gen.cancel()
-                await asyncio.gather(gen, return_exceptions=True)
-                return  # held evaluation prompts are released by close()
-            abort.cancel()
-            for entry, scored in zip(group, gen.result(), strict=True):  # scored by _generate (episodes too)
-                if scored.failed:
-                    await asyncio.shield(self._dead_letter(self._evals.prompts, entry, scored))
-                    self._held_evals = [h for h in self._held_evals if h.entry_id != entry.entry_id]
-                    continue
-                result = self._scoring.eval_result(self._task, entry, scored.samples, self.cfg.generator_id)
-                await asyncio.shield(self._evals.finish(entry, result))
-                self._held_evals = [h for h in self._held_evals if h.entry_id != entry.entry_id]
-
-    def _sampling(self, entry: PromptEntry) -> Sampling:
-        """Sampling of a prompt: the learner's (carried in the prompt record), else this generator's own."""
-        assert self._task is not None
-        sp = entry.spec.sampling or self.cfg.sampling
-        return sp if sp.max_new_tokens else dataclasses.replace(sp, max_new_tokens=self._task.max_new_tokens)
-
-    async def _fresh_weights(self) -> None:
-        """Before a batch: a newer version announced and on its way is waited for, up to ``weight_sync.fresh_wait_s``
-        and once per version (the batch then runs on it, and its swap waits for no decode step)."""
-        sync, engine, wait_s = self._sync, self._engine, self.cfg.weight_sync.fresh_wait_s
-        assert engine is not None
-        if sync is None or wait_s <= 0:
-            return
-        wanted = sync.wanted_version
-        if wanted <= engine.version or wanted <= self._fresh_waited or wanted in sync.refused:
-            return
-        self._fresh_waited = wanted
-        await engine.wait_applied(wanted, wait_s)
-
-    async def _generate(self, group: list[PromptEntry], params: SamplingParams) -> list[ScoredGroup]:
-        """The group's scored samples; first, in synchronous mode, the weight version its prompts ask for (the
-        weight sync task fetches it; an abort cancels the wait with the generation). An environment task runs one
-        episode per sample (:mod:`actors.generator.episodes`), all of them at once."""
-        assert self._engine is not None and self._task is not None
-        need = max(e.spec.min_version for e in group)
-        t0 = time.monotonic()
-        try:
-            if self._engine.version < need:
-                await self._engine.wait_applied(need)
-            await self._fresh_weights()
-        finally:
-            self.version_wait_s += time.monotonic() - t0
-        t0 = time.monotonic()
-        engine, owners = self._engine, [self._task.task_for(e.spec.metadata) for e in group]  # a mixture's members
-        single = [i for i, t in enumerate(owners) if not isinstance(t, EnvTask)]  # the rest run episodes
-        try:
-            outcome: list[Any] = await asyncio.gather(
-                engine.generate([group[i].spec.prompt_ids for i in single], params) if single else asyncio.sleep(0, []),
-                *(self._episodes(engine, t, e, params) for e, t in zip(group, owners, strict=True)
-                  if isinstance(t, EnvTask)))  # fmt: skip
-        finally:
-            self.generate_s += time.monotonic() - t0
-        scored = (self._scoring.score(owners[i], group[i].spec.metadata, c)
-                  for i, c in zip(single, outcome[0], strict=True))  # fmt: skip
-        played = iter(outcome[1:])  # the episodes' groups, in order
-        return [next(played) if isinstance(t, EnvTask) else next(scored) for t in owners]
-
-    async def _episodes(self, engine: Engine, task: EnvTask, entry: PromptEntry, params: SamplingParams) -> ScoredGroup:
-        errors: list[BaseException] = []
-        samples = await run_group(engine, task, entry.spec.metadata, entry.spec.prompt_ids, params, self.cfg.episode,
-                                  on_error=errors.append)  # fmt: skip
-        return self._scoring.episodes(samples, errors)
-
-    def _record(self, entry: PromptEntry, samples: list[Sample], gen_s: float) -> GroupRecord:
-        spec = entry.spec
-        meta: dict[str, Any] = {
-            "task": spec.metadata.get("task", ""), SOURCE_KEY: spec.metadata.get(SOURCE_KEY, ""),
-            "issued_version": entry.issued_version,
-            "issued_at": entry.issued_at, "gen_s": round(gen_s, 4), "reclaimed": entry.reclaimed,
-        }  # fmt: skip
-        return GroupRecord(
-            group_id=spec.prompt_id, prompt_id=spec.prompt_id, generator_id=self.cfg.generator_id,
-            created_at=time.time(), prompt_ids=np.asarray(spec.prompt_ids, dtype=np.int32), samples=samples,
-            metadata=meta,
-        )  # fmt: skip
