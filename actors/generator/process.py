@@ -38,7 +38,7 @@ from async_rl.weights import WeightReader
 from async_rl.weights.gpu.reader import GpuReader
 from async_rl.weights.transport import make_transport
 from buffer.evals import EvalQueue
-from buffer.prompts import PromptEntry, PromptQueue
+from buffer.prompts import PromptQueue
 
 log = logging.getLogger(__name__)
 
@@ -69,41 +69,17 @@ def gpu_reader(cfg: GeneratorConfig, engine: Engine, redis: aioredis.Redis) -> G
 class Generator(Work):
     """One generator process (see the module docstring)."""
 
-    cfg: GeneratorConfig
-    stop_event: asyncio.Event
-    """Set by SIGTERM/SIGINT or a 'stop'/'drain' control message: take no new prompts."""
-    resume_event: asyncio.Event
-    """Cleared while paused."""
-    num_prompts: int
-    num_tokens: int
-    _busy: BusyClock
-    """When the engine was generating (``generate_s``, the busy share heartbeats carry)."""
-    version_wait_s: float
-    """Seconds batches spent waiting for a prompt's ``min_version`` (synchronous mode), or for a version about to
-    arrive (``weight_sync.fresh_wait_s``), since start (summed over batches in flight at once)."""
-    _fresh_waited: int
-    """The newest version a batch waited for (:meth:`_fresh_weights`)."""
+    # The work's attributes (stop and resume events, counters, engine, queues, held prompts) are declared by
+    # :class:`~actors.generator.work.Work`; these are the process's own.
     state: str
-    _redis: aioredis.Redis | None
     _control: ControlPlane | None
-    _engine: Engine | None
-    _sync: WeightSync | None
-    _task: Task | None
-    _prompts: PromptQueue | None
-    _held: list[PromptEntry]
-    _evals: EvalQueue | None
-    """The run's evaluation queue (buffer/evals.py): read before training prompts, scored, never trained on."""
-    _held_evals: list[PromptEntry]
     _started_at: float
-    _abort_event: asyncio.Event
     _done: asyncio.Event
     """Set when the work loop has ended: background loops finish."""
     run_ended: RunEnded | None
     """The end of the run, once the learner announced it."""
     _metrics: GeneratorMetrics
     """Prometheus /metrics (a no-op unless prometheus.port is set)."""
-    _scoring: Scoring
-    """Errors of the task's own code (reward, environment): counted per reason, their groups dead-lettered."""
 
     def __init__(self, cfg: GeneratorConfig, *, task: Task | None = None) -> None:
         """``task``: ``cfg.task`` built already (the entry point builds it to check the config); else :meth:`setup`

@@ -80,22 +80,32 @@ class Work:
 
     cfg: GeneratorConfig
     stop_event: asyncio.Event
+    """Set by SIGTERM/SIGINT or a 'stop'/'drain' control message: take no new prompts."""
     resume_event: asyncio.Event
+    """Cleared while paused."""
     num_prompts: int
     num_tokens: int
-    version_wait_s: float
-    _fresh_waited: int
     _busy: BusyClock
+    """When the engine was generating (``generate_s``, the busy share heartbeats carry)."""
+    version_wait_s: float
+    """Seconds batches spent waiting for a prompt's ``min_version`` (synchronous mode), or for a version about to
+    arrive (``weight_sync.fresh_wait_s``), since start (summed over batches in flight at once)."""
+    _fresh_waited: int
+    """The newest version a batch waited for (:meth:`_fresh_weights`)."""
     _redis: aioredis.Redis | None
     _engine: Engine | None
     _sync: WeightSync | None
     _task: Task | None
     _prompts: PromptQueue | None
     _held: list[PromptEntry]
+    """The prompts of every batch in hand (released on shutdown, touched by the heartbeat)."""
     _evals: EvalQueue | None
+    """The run's evaluation queue (buffer/evals.py): read before training prompts, scored, never trained on."""
     _held_evals: list[PromptEntry]
     _abort_event: asyncio.Event
+    """Set to give up the batches in hand (a stop, or the drain's deadline)."""
     _scoring: Scoring
+    """Errors of the task's own code (reward, environment): counted per reason, their groups dead-lettered."""
     _metrics: Any
 
     @property
