@@ -4,7 +4,8 @@ Roles (user ``<prefix>-<role>``; passwords generated here, written one per file 
 the ACL file only as SHA-256 hashes, never printed):
 
 * ``generator``: read prompts through the consumer group (and ack, reclaim, release, set poison ones aside),
-  append rollouts (inline or under a payload key) and read the acks that lift back-pressure, read weight
+  append rollouts (inline or under a payload key) and read the acks that lift back-pressure (and, from the
+  learner's state, how many groups it holds until its next checkpoint), read weight
   versions and lease them, read the end-of-run record. It cannot add prompts, delete keys, write weights,
   read or write anything outside ``<prefix>:``, or run administrative commands.
 * ``learner``: any data command on ``<prefix>:*``; no administrative or dangerous command (``FLUSHALL``,
@@ -61,6 +62,7 @@ def generator_selectors(n: Names) -> list[str]:
         f"(~{n.rollout_payload('*')} +set)",
         f"(~{n.rollout_counters} ~{n.prompt_counters} +hincrby)",
         f"(%R~{n.rollout_acks_stream} +xread +xrevrange)",
+        f"(%R~{n.learner_state} +hget)",  # the groups the learner holds until its checkpoint count beside the bound
         # poison prompts set aside (dead letters, their fate in the audit: the buffer's scripts)
         f"(~{n.dead_letters_stream} +xadd)",
         f"(~{n.audit_open} ~{n.audit_fates} ~{n.audit_counters} +eval +evalsha +hdel +xadd +hincrby)",
