@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError
 
 from async_rl.run.names import Names
 from async_rl.wire import encode_group_into
@@ -86,6 +87,8 @@ class RolloutWriter:
 
     _buffers: list[bytearray]
     _backlog: int | None
+    _bound: int
+    _warned_acl: bool
 
     def __init__(self, redis: aioredis.Redis, names: Names, cfg: RolloutWriterConfig | None = None) -> None:
         self.redis = check_client(redis, "RolloutWriter")
@@ -94,6 +97,7 @@ class RolloutWriter:
         self._buffers = []  # warm encode buffers, reused between appends (see wire.encode_group_into)
         self._backlog = None  # stream length seen by this writer's last append (None: not known yet)
         self._bound = self.cfg.max_backlog  # the stream length appends wait at (max_backlog + the learner's hold)
+        self._warned_acl = False
 
     async def backlog(self) -> int:
         """Groups in the stream: not yet read, or read and not yet acked (the learner's hold)."""
@@ -101,7 +105,15 @@ class RolloutWriter:
 
     async def bound(self) -> int:
         """The stream length appends wait at: ``max_backlog`` on top of what the learner holds (module docstring)."""
-        held = await self.redis.hget(self.names.learner_state, LEARNER_HOLD_FIELD)
+        try:
+            held = await self.redis.hget(self.names.learner_state, LEARNER_HOLD_FIELD)
+        except NoPermissionError:  # an ACL file from before this read: the bound stays max_backlog alone
+            if not self._warned_acl:
+                log.warning("this generator's Redis user may not read %s: the rollout backlog bound ignores the "
+                            "groups the learner holds until its checkpoint (write the ACL file again with "
+                            "`async-rl acl`)", self.names.learner_state)  # fmt: skip
+                self._warned_acl = True
+            held = None
         self._bound = self.cfg.max_backlog + (int(held) if held is not None else 0)
         return self._bound
 
