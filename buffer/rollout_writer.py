@@ -158,7 +158,7 @@ class RolloutWriter:
         last: Any = await self.redis.xrevrange(acks, count=1)
         cursor = sid(last[0][0]) if last else "0-0"
         backlog = await self.backlog()
-        if backlog < await self.bound():
+        if backlog < self._bound:  # the learner's hold was read just above
             return
         started = time.monotonic()
         deadline = started + self.cfg.backpressure_timeout_s

@@ -78,8 +78,6 @@ class Generator(Work):
     """Set when the work loop has ended: background loops finish."""
     run_ended: RunEnded | None
     """The end of the run, once the learner announced it."""
-    _metrics: GeneratorMetrics
-    """Prometheus /metrics (a no-op unless prometheus.port is set)."""
 
     def __init__(self, cfg: GeneratorConfig, *, task: Task | None = None) -> None:
         """``task``: ``cfg.task`` built already (the entry point builds it to check the config); else :meth:`setup`

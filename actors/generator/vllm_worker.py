@@ -308,9 +308,12 @@ class ArlWorkerExtension:
         held = self._arl_slots.get(slot)
         same = held if held is not None and held.layout == layout else None
         pieced = not all(t.whole for t in m.tensors)  # every tensor assembled into the slot; buckets received shared
-        receive = self._arl_receive if pieced and self._arl_receive and self._arl_receive[0] == layout else None
+        if pieced:
+            receive = self._arl_receive
+            into = receive[1] if receive is not None and receive[0] == layout else None
+        else:
+            into = None if same is None else same.buffers
         try:
-            into = receive[1] if receive is not None else None if pieced or same is None else same.buffers
             buffers, sums = copy_buckets(m, device, mapper, stream, into=into)
         except IpcUnavailable as exc:
             return {"unavailable": str(exc)}

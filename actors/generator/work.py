@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from actors.generator.config import GeneratorConfig
 from actors.generator.engine import Engine, SamplingParams
 from actors.generator.episodes import run_group
+from actors.generator.metrics import GeneratorMetrics
 from actors.generator.scoring import ScoredGroup, Scoring
 from actors.generator.weight_sync import WeightSync
 from async_rl.process.lifecycle import raise_if_cancel_requested
@@ -106,7 +107,8 @@ class Work:
     """Set to give up the batches in hand (a stop, or the drain's deadline)."""
     _scoring: Scoring
     """Errors of the task's own code (reward, environment): counted per reason, their groups dead-lettered."""
-    _metrics: Any
+    _metrics: GeneratorMetrics
+    """Prometheus /metrics (a no-op unless prometheus.port is set)."""
 
     @property
     def generate_s(self) -> float:
