@@ -3,6 +3,7 @@
 # 18 bytes a parameter, does not fit one GPU). A Megatron learner on GPUs 0-1 (2 ranks, EP=2), a vLLM generator on
 # each of GPUs 2 and 3 taking every version over CUDA IPC from the learner's GPUs; NODE_STEPS (default 60) steps.
 #   source scripts/gpu/setup.sh && source scripts/gpu/vllm_unpack.sh && scripts/gpu/node.sh OUT
+# NODE_MODEL and NODE_GEN_DEVICES change the model and the generators' GPUs (node_gpus.sh: a two-GPU rehearsal).
 # Writes OUT/node-<gpu>x4-moe-5b-megatron-vllm-<date>.json (bench loop's summary: learner_nproc, generator_engine,
 # learner_idle_frac, generator_idle_frac, learner_ and generator_tokens_per_s_per_gpu, version_to_applied_s),
 # OUT/node.log (bench loop's output) and OUT/node-process-logs.txt (the tail of each process's log, then every
@@ -20,13 +21,14 @@ mkdir -p "$out"
 source "$(dirname "$0")/node_gpus.sh"
 day=$(date +%Y-%m-%d)
 run_dir=/tmp/run-node-$(date +%s)  # a fresh one: bench loop refuses a directory that holds a run
-json="$out/node-$gpu-moe-5b-megatron-vllm-$day.json"
-timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model moe-5b --device cuda --backend megatron \
+model=${NODE_MODEL:-moe-5b}
+json="$out/node-$gpu-$model-megatron-vllm-$day.json"
+timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model "$model" --device cuda --backend megatron \
     --learner-nproc 2 --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8.5} \
-    --generators 2 --generator-engine vllm --generator-devices cuda:2,cuda:3 \
+    --generators "$generators" --generator-engine vllm --generator-devices "$gen_devices" \
     --learner megatron.expert_parallel=2 --learner megatron.lr=1e-5 \
     --learner megatron.distributed_optimizer=${NODE_DIST_OPT:-true} --learner checkpoint.every=${NODE_CHECKPOINT_EVERY:-100} \
-    --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} \
+    --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} --generator vllm.kv_cache_mib=${NODE_KV_MIB:-0} \
     --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
 rc=$?
 tail -5 "$out/node.log"

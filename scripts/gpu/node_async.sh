@@ -6,8 +6,9 @@
 # One device call holds ten minutes, the whole bench more: each call runs the plans of NODE_ASYNC_STALENESS (default
 # 4; the synchronous run always) that /root/node-async.json does not hold yet (`bench async --reuse`: kept while the
 # machine stays warm), NODE_ASYNC_MINUTES (default 4) each at most. Call it again with NODE_ASYNC_STALENESS=2,4,8 for
-# the rest. Writes OUT/async-<gpu>x4-megatron-vllm-<date>.json (best_async_vs_sync, each run's wall time to the
-# target and idle fractions, its full bench loop summary), the plot beside it (.png) and OUT/node-async.log.
+# the rest. NODE_GEN_DEVICES moves the generators (node_gpus.sh: a two-GPU rehearsal). Writes
+# OUT/async-<gpu>x4-megatron-vllm-<date>.json (best_async_vs_sync, each run's wall time to the target and idle
+# fractions, its full bench loop summary), the plot beside it (.png) and OUT/node-async.log.
 set -uo pipefail
 out=${1:?usage: node_async.sh OUT}
 mkdir -p "$out"
@@ -21,8 +22,8 @@ timeout ${NODE_ASYNC_TIMEOUT:-590} python3 -m actors.commands bench async --json
     --max-minutes ${NODE_ASYNC_MINUTES:-4} --run-dir /tmp/bench-async-node \
     --backend megatron --learner-nproc 2 --learner megatron.expert_parallel=2 \
     --learner megatron.distributed_optimizer=true --learner checkpoint.every=100 \
-    --generators 2 --generator-engine vllm --generator-devices cuda:2,cuda:3 \
-    --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} "${reuse[@]}" > "$out/node-async.log" 2>&1
+    --generators "$generators" --generator-engine vllm --generator-devices "$gen_devices" \
+    --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} --generator vllm.kv_cache_mib=${NODE_KV_MIB:-0} "${reuse[@]}" > "$out/node-async.log" 2>&1
 rc=$?
 tail -30 "$out/node-async.log"
 if [ -f "$json" ]; then cp "$json" "$keep"; fi
