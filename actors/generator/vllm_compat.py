@@ -21,7 +21,15 @@ Supported: vLLM **0.25.1** (the CUDA release built for torch 2.11, what the GPU 
 * **Worker processes.** vLLM starts its engine core (and, with tensor parallelism, its workers) with ``fork``
   unless CUDA is already initialised in the process. A generator that touched CUDA first (or a test process)
   then dies in the child ("Cannot re-initialize CUDA in forked subprocess"), so on CUDA the engine always asks
-  for ``spawn`` (:func:`prepare_worker_start`).
+  for ``spawn`` (:func:`prepare_engine_processes`).
+* **Whole messages.** The engine core sends each batch of outputs as a msgpack message plus, as separate zero-copy
+  frames, every array over ``VLLM_MSGPACK_ZERO_COPY_THRESHOLD`` (256 bytes: logprobs, routed experts), and reuses
+  the message's buffer once zmq is done with it. Up to 0.25.1 at least it asks zmq about the last frame only, which
+  zmq copies when it is under 64 KiB and so reports done at once: a message over 64 KiB, still being sent, was
+  overwritten by the next one, and the front end died on ``msgspec.DecodeError: MessagePack data is malformed:
+  trailing characters`` (seen on the node: moe-5b, 256 responses of 128 tokens finishing together; vLLM fixed it
+  in PR #50053). The engine therefore starts with every array inside its message (:data:`INLINE_ALL_ARRAYS`): one
+  frame, the one zmq tracks. It costs one copy of the arrays, small beside generating them.
 """
 
 from __future__ import annotations
@@ -54,10 +62,17 @@ def has_engine_labels() -> bool:
     }
 
 
-def prepare_worker_start(on_cuda: bool) -> None:
-    """Have vLLM start its processes with ``spawn`` on CUDA (module docstring); a user's explicit choice stays."""
+INLINE_ALL_ARRAYS = str(1 << 62)
+"""``VLLM_MSGPACK_ZERO_COPY_THRESHOLD`` that keeps every array of an engine output inside its message (module
+docstring: whole messages)."""
+
+
+def prepare_engine_processes(on_cuda: bool) -> None:
+    """The environment vLLM's processes start with (module docstring: worker processes, whole messages); a user's
+    explicit choice stays."""
     if on_cuda:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("VLLM_MSGPACK_ZERO_COPY_THRESHOLD", INLINE_ALL_ARRAYS)
 
 
 async def pause_keep(llm: Any) -> None:

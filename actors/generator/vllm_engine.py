@@ -61,7 +61,7 @@ from actors.generator.vllm_compat import (
     EngineLabels,
     FrontLabels,
     pause_keep,
-    prepare_worker_start,
+    prepare_engine_processes,
     version_labels,
 )
 from actors.generator.vllm_outputs import completion, trim_routes
@@ -180,7 +180,7 @@ class VLLMEngine(Engine):
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        prepare_worker_start(current_platform.is_cuda_alike())
+        prepare_engine_processes(current_platform.is_cuda_alike())
         args = build_vllm_args(self.config, self.facts)
         self.route_mode = args.route_mode
         self.prefix_caching = args.prefix_caching
