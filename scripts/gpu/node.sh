@@ -3,7 +3,10 @@
 # 18 bytes a parameter, does not fit one GPU). A Megatron learner on GPUs 0-1 (2 ranks, EP=2), a vLLM generator on
 # each of GPUs 2 and 3 taking every version over CUDA IPC from the learner's GPUs; NODE_STEPS (default 60) steps.
 #   source scripts/gpu/setup.sh && source scripts/gpu/vllm_unpack.sh && scripts/gpu/node.sh OUT
-# NODE_MODEL and NODE_GEN_DEVICES change the model and the generators' GPUs (node_gpus.sh: a two-GPU rehearsal).
+# The work: the copy task's prompts, every response NODE_NEW_TOKENS=128 tokens long (vllm.stop_on_eos=false: a
+# random-init model's lengths would be noise), 32 prompts x 8 samples a step. NODE_MODEL and NODE_GEN_DEVICES change
+# the model and the generators' GPUs (node_gpus.sh: a two-GPU rehearsal); NODE_LEARNER and NODE_GENERATOR add
+# overrides (e.g. NODE_LEARNER="megatron.recompute=false batching.micro_batch_tokens=4096").
 # Writes OUT/node-<gpu>x4-moe-5b-megatron-vllm-<date>.json (bench loop's summary: learner_nproc, generator_engine,
 # learner_idle_frac, generator_idle_frac, learner_ and generator_tokens_per_s_per_gpu, version_to_applied_s),
 # OUT/node.log (bench loop's output) and OUT/node-process-logs.txt (the tail of each process's log, then every
@@ -22,6 +25,9 @@ source "$(dirname "$0")/node_gpus.sh"
 day=$(date +%Y-%m-%d)
 run_dir=/tmp/run-node-$(date +%s)  # a fresh one: bench loop refuses a directory that holds a run
 model=${NODE_MODEL:-moe-5b}
+extra=()  # NODE_LEARNER / NODE_GENERATOR: more overrides, space-separated key=value
+for kv in ${NODE_LEARNER:-}; do extra+=(--learner "$kv"); done
+for kv in ${NODE_GENERATOR:-}; do extra+=(--generator "$kv"); done
 json="$out/node-$gpu-$model-megatron-vllm-$day.json"
 timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model "$model" --device cuda --backend megatron \
     --learner-nproc 2 --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8.5} \
@@ -29,10 +35,14 @@ timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model "$mod
     --learner megatron.expert_parallel=2 --learner megatron.lr=1e-5 \
     --learner megatron.distributed_optimizer=${NODE_DIST_OPT:-true} --learner checkpoint.every=${NODE_CHECKPOINT_EVERY:-100} \
     --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} --generator vllm.kv_cache_mib=${NODE_KV_MIB:-0} \
-    --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
+    --learner sampling.max_new_tokens=${NODE_NEW_TOKENS:-128} --generator vllm.stop_on_eos=false \
+    "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
 rc=$?
 tail -5 "$out/node.log"
-for f in "$run_dir"/*.log; do echo "== $f"; grep -v " DEBUG " "$f" | tail -12; done > "$out/node-process-logs.txt"
+for f in "$run_dir"/*.log; do  # each log's first and last lines (start-up, then how it ended), the noise left out
+    grep -v " DEBUG \|main_grad.dtype\|vLLM engine: version\|warnings.warn" "$f" > /tmp/node-log-part
+    echo "== $f"; head -25 /tmp/node-log-part; echo "..."; tail -35 /tmp/node-log-part
+done > "$out/node-process-logs.txt"
 grep -h "vLLM engine: version" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
 tail -40 "$out/node-process-logs.txt"
 python3 - "$json" <<'PY' || true
