@@ -2,7 +2,8 @@
 
 The learner (tiny MoE preset, copy task, R3 replay of the generator's routes) trains a few steps on
 groups a single ``async-rl generator`` with ``engine=vllm`` produced, following the learner's weight
-versions (published under transformers' in-memory names) as it goes.
+versions (published under transformers' in-memory names) as it goes. Then the same in synchronous mode
+(``staleness.sync``, the baseline of ``bench async``): every group sampled by the version its prompt names.
 """
 
 from __future__ import annotations
@@ -62,5 +63,24 @@ def test_vllm_generator_feeds_the_learner(servers: ServerSet, names: Names, tmp_
         assert procs.stop("gen-vllm") == 0, procs.tails()
         log = procs.log("gen-vllm")
         assert "vLLM engine: version" in log and "in use" in log, procs.tails()
+    finally:
+        procs.close()
+
+
+def test_vllm_generator_in_synchronous_mode(servers: ServerSet, names: Names, tmp_path: Path) -> None:
+    procs = Procs(servers, names, tmp_path / "run")
+    try:
+        procs.learner(f"max_steps={NUM_STEPS}", "batch_groups=4", "staleness.max_staleness=0", "staleness.sync=true",
+                      "admission_lag_versions=0")  # fmt: skip
+        procs.start("gen-vllm", "generator", [*VLLM_GENERATOR_ARGS, "generator_id=gen-vllm", "on_run_end=wait"])
+        procs.wait_for("the learner's steps", lambda: procs.procs["learner"].poll() is not None, timeout_s=420)
+        assert procs.procs["learner"].returncode == 0, procs.tails()
+        rows = procs.metrics()
+        assert [int(r["step"]) for r in rows] == list(range(1, NUM_STEPS + 1)), procs.tails()
+        for r in rows:  # every trained token sampled by the version the step trained from
+            stale = {k: float(v) for k, v in r.items() if k.startswith("loss/staleness_hist_") and k.endswith("_count")}
+            assert stale and sum(stale.values()) == stale.get("loss/staleness_hist_0_count"), (r["step"], stale)
+        assert "dropped" not in procs.log("learner"), procs.tails()  # and nothing was sampled in vain
+        assert procs.stop("gen-vllm") == 0, procs.tails()
     finally:
         procs.close()
