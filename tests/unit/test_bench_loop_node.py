@@ -94,25 +94,28 @@ def test_bench_async_runs_every_plan_on_the_node(four_gpus: None, tmp_path: Path
         sync_vs_async.parse_args(["--json", "a.json", "--learner-nproc", "2"], "bench async")  # torch: one rank
 
 
-def _run(wall: float | None) -> dict:
+def _run(wall: float | None, first_step: float = 5.0) -> dict:
     return {"machine": "test", "tracebacks": [], "wall_to_target_s": wall, "steps_to_target": 40,
-            "reward_curve": [[1, 5.0, 0.1, 0.2]]}  # fmt: skip
+            "reward_curve": [[1, first_step, 0.1, 0.2]]}  # fmt: skip
 
 
 def test_bench_async_reuse_keeps_earlier_runs_of_the_same_setup_and_refuses_another(tmp_path: Path) -> None:
     """A bench split over several calls: the runs an earlier JSON holds are kept (none runs again here, as every plan
-    is there), the ratio taken over all of them; a JSON of another setup is refused naming what differs."""
+    is there), the ratio taken over all of them (from the learner's first step, and from process start); a JSON of
+    another setup is refused naming what differs."""
     from actors.commands.bench import sync_vs_async
 
     setup = ["--device", "cuda", "--backend", "megatron", "--learner-nproc", "2"]
     first = {"bench": "async", "setup": sync_vs_async.setup(sync_vs_async.parse_args(["--json", "x", *setup], "b")),
-             "runs": {"sync": _run(100.0), "async-4": _run(60.0), "async-2": _run(45.0)}}  # fmt: skip
+             "runs": {"sync": _run(100.0, first_step=20.0), "async-4": _run(60.0), "async-2": _run(45.0)}}  # fmt: skip
     (tmp_path / "first.json").write_text(json.dumps(first))
     out = tmp_path / "all.json"
     rc = sync_vs_async.main(["--json", str(out), *setup, "--staleness", "2,4", "--reuse", str(tmp_path / "first.json"),
                              "--run-dir", str(tmp_path)])  # fmt: skip
     data = json.loads(out.read_text())
-    assert rc == 0 and data["best_async_vs_sync"] == 0.45 and sorted(data["runs"]) == ["async-2", "async-4", "sync"]
+    assert rc == 0 and sorted(data["runs"]) == ["async-2", "async-4", "sync"]
+    assert data["sync"]["train_to_0_9_s"] == 80.0 and data["async"]["2"]["train_to_0_9_s"] == 40.0
+    assert data["best_async_vs_sync"] == 0.5 and data["best_async_vs_sync_from_start"] == 0.45
     assert data["setup"]["backend"] == "megatron" and data["learner_nproc"] == 2
     with pytest.raises(SystemExit, match="another setup .backend 'megatron' there, 'torch' here"):
         sync_vs_async.main(["--json", str(out), "--device", "cuda", "--reuse", str(tmp_path / "first.json")])
