@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Asynchronous against synchronous RL on one node of four GPUs (issue 39): `bench async` with the node recipe of
-# node.sh (a Megatron learner on GPUs 0-1, EP=2 with the distributed optimizer; a vLLM generator on each of GPUs 2
-# and 3), on the quickstart's task and model, to exact-match NODE_ASYNC_TARGET (default 0.9).
+# node.sh (a Megatron learner on GPUs 0-1, EP=2 with the distributed optimizer; a vLLM generator on each of GPUs 2 and
+# 3), on the quickstart's task and model, to exact-match NODE_ASYNC_TARGET (default 0.9).
 #   source scripts/gpu/setup.sh && source scripts/gpu/vllm_unpack.sh && scripts/gpu/node_async.sh OUT
 # One device call holds ten minutes, the whole bench more: each call runs the plans of NODE_ASYNC_STALENESS (default
 # 4; the synchronous run always) that /root/node-async.json does not hold yet (`bench async --reuse`: kept while the
-# machine stays warm), NODE_ASYNC_MINUTES (default 4) each at most. Call it again with NODE_ASYNC_STALENESS=2,4,8 for
-# the rest. NODE_GEN_DEVICES moves the generators (node_gpus.sh: a two-GPU rehearsal). Writes
+# machine stays warm), NODE_ASYNC_MINUTES (default 4.5: vLLM and Megatron start in 2-3 min) each at most. Call it
+# again with NODE_ASYNC_STALENESS=2,4,8 for the rest. NODE_GEN_DEVICES moves the generators (node_gpus.sh: a two-GPU
+# rehearsal); NODE_ASYNC_MODEL another model (e.g. moe-107m, which learns the task too). Writes
 # OUT/async-<gpu>x4-megatron-vllm-<date>.json (best_async_vs_sync, each run's wall time to the target and idle
 # fractions, its full bench loop summary), the plot beside it (.png) and OUT/node-async.log.
 set -uo pipefail
@@ -19,11 +20,12 @@ if [ -f "$keep" ]; then reuse=(--reuse "$keep"); fi
 json="$out/async-$gpu-megatron-vllm-$(date +%Y-%m-%d).json"
 timeout ${NODE_ASYNC_TIMEOUT:-590} python3 -m actors.commands bench async --json "$json" --plot "${json%.json}.png" \
     --device cuda --target ${NODE_ASYNC_TARGET:-0.9} --staleness ${NODE_ASYNC_STALENESS:-4} \
-    --max-minutes ${NODE_ASYNC_MINUTES:-4} --run-dir /tmp/bench-async-node \
+    --max-minutes ${NODE_ASYNC_MINUTES:-4.5} --run-dir /tmp/bench-async-node \
     --backend megatron --learner-nproc 2 --learner megatron.expert_parallel=2 \
     --learner megatron.distributed_optimizer=true --learner checkpoint.every=100 \
     --generators "$generators" --generator-engine vllm --generator-devices "$gen_devices" \
-    --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} --generator vllm.kv_cache_mib=${NODE_KV_MIB:-0} "${reuse[@]}" > "$out/node-async.log" 2>&1
+    ${NODE_ASYNC_MODEL:+--model "$NODE_ASYNC_MODEL"} --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} \
+    --generator vllm.kv_cache_mib=${NODE_KV_MIB:-0} "${reuse[@]}" > "$out/node-async.log" 2>&1
 rc=$?
 tail -30 "$out/node-async.log"
 if [ -f "$json" ]; then cp "$json" "$keep"; fi
