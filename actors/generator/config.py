@@ -88,7 +88,8 @@ class VLLMEngineConfig:
     tensor_parallel_size: int = 1
     """Tensor-parallel GPUs per engine."""
     work_dir: str = ""
-    """Where a preset is written as a HF directory ('' = a temporary directory removed on close)."""
+    """Where a preset is written as a HF directory, once, and kept for the next start and every other generator
+    given the same directory ('' = a temporary directory of this generator's, removed on close)."""
     version_labels: Literal["auto", "engine", "front"] = "auto"
     """Who labels each token with its weight version: vLLM itself (engine, 0.27+), the engine's own process (front,
     any vLLM; see actors/generator/vllm_compat.py), or auto (engine where vLLM has it)."""

@@ -68,7 +68,7 @@ from actors.generator.vllm_outputs import completion, trim_routes
 from actors.generator.vllm_requests import check_prompts, request_params
 from actors.generator.vllm_weights import CheckpointWeights
 from actors.generator.weight_handover import pack_weights
-from async_rl.model.presets import is_preset, save_pretrained_dir
+from async_rl.model.presets import is_preset, save_pretrained_dir, shared_preset_dir
 from async_rl.model.token_mask import MASKED_LOGIT, masked_token_ids
 from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
 from async_rl.weights.gpu.reader import RemoteCopy
@@ -167,14 +167,11 @@ class VLLMEngine(Engine):
         m = config.model
         if not is_preset(m.name):
             return Path(m.name)
-        if config.work_dir:
-            target = Path(config.work_dir) / f"{m.name}-seed{m.seed}-{m.dtype}"
-        else:
-            self._tmp_dir = Path(tempfile.mkdtemp(prefix="arl-vllm-"))
-            target = self._tmp_dir / m.name
-        if not (target / "config.json").is_file():
-            save_pretrained_dir(target, preset=m.name, seed=m.seed, dtype=m.dtype)
-        return target
+        if config.work_dir:  # shared: written once, by whichever generator comes first
+            return shared_preset_dir(Path(config.work_dir) / f"{m.name}-seed{m.seed}-{m.dtype}", preset=m.name,
+                                     seed=m.seed, dtype=m.dtype)  # fmt: skip
+        self._tmp_dir = Path(tempfile.mkdtemp(prefix="arl-vllm-"))
+        return save_pretrained_dir(self._tmp_dir / m.name, preset=m.name, seed=m.seed, dtype=m.dtype)
 
     def _start(self) -> None:
         from vllm.platforms import current_platform

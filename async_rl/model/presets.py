@@ -159,7 +159,8 @@ def build_model(
 ) -> PreTrainedModel:
     """A random-init causal LM for a preset name or a transformers config; same seed -> same weights.
 
-    The global torch RNG is left as it was.
+    The global torch RNG is left as it was. The seed goes through that RNG, so two builds in threads of one process
+    at once get other weights (processes are fine).
     """
     config = preset_config(spec) if isinstance(spec, str) else spec
     torch_dtype = _dtype(dtype)
@@ -256,6 +257,31 @@ def save_pretrained_dir(
     model.save_pretrained(str(path), safe_serialization=True)
     toy_tok.save_tokenizer(path)
     return path
+
+
+def shared_preset_dir(target: str | Path, *, preset: str, seed: int = 0, dtype: str = "float32") -> Path:
+    """Preset ``preset`` (built with ``seed``) as a HF directory at ``target``, written once: several processes may
+    ask at once (the generators of one node sharing a directory), so each writes beside it and renames into place,
+    the first rename winning; a ``target`` that exists is used as it is, once it holds ``config.json``."""
+    import shutil
+    import tempfile
+
+    target = Path(target)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        save_pretrained_dir(tmp, preset=preset, seed=seed, dtype=dtype)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise ValueError(f"{target} exists but holds no model (no config.json): remove it, and the preset "
+                                 f"{preset!r} is written there again") from None  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def num_moe_layers(config: PretrainedConfig) -> int:

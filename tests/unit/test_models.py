@@ -18,6 +18,7 @@ from async_rl.model.presets import (
     load_tokenizer,
     num_moe_layers,
     save_pretrained_dir,
+    shared_preset_dir,
     tiny_moe_config,
 )
 
@@ -61,6 +62,33 @@ def test_save_dir_loads_offline_with_same_weights_and_logits(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     assert tok.pad_token_id == toy_tok.PAD_ID and tok.eos_token_id == toy_tok.EOS_ID
     assert tok("12+3=").input_ids == toy_tok.encode("12+3=")
+
+
+def _ask_for_tiny_moe(target):
+    return shared_preset_dir(target, preset="tiny-moe", seed=3)
+
+
+def test_a_shared_preset_dir_is_written_once_whoever_asks_at_once(tmp_path):
+    """Generators sharing ``vllm.work_dir`` start together: each (a process of its own) gets the whole directory,
+    one copy is kept, no half-written one is ever seen, and the next start reads it as it is."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    target = tmp_path / "presets" / "tiny-moe-seed3-float32"
+    with ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("fork")) as pool:
+        got = list(pool.map(_ask_for_tiny_moe, [target] * 3))
+    assert got == [target] * 3 and sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no leftovers
+    weights = target / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    ids = torch.tensor([[toy_tok.BOS_ID, *toy_tok.encode("12345=")]])
+    with torch.inference_mode():
+        assert torch.equal(load_model(target)(ids).logits, build_model("tiny-moe", seed=3)(ids).logits)
+    assert shared_preset_dir(target, preset="tiny-moe", seed=3) == target and weights.stat().st_mtime_ns == written
+    broken = tmp_path / "presets" / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="broken exists but holds no model .no config.json.: remove it"):
+        shared_preset_dir(broken, preset="tiny-moe")
 
 
 def test_tokenizer_roundtrip_and_errors():
