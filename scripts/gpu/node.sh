@@ -6,7 +6,9 @@
 # The work: the copy task's prompts, every response NODE_NEW_TOKENS=128 tokens long (vllm.stop_on_eos=false: a
 # random-init model's lengths would be noise), 32 prompts x 8 samples a step. NODE_MODEL and NODE_GEN_DEVICES change
 # the model and the generators' GPUs (node_gpus.sh: a two-GPU rehearsal); NODE_LEARNER and NODE_GENERATOR add
-# overrides (e.g. NODE_LEARNER="megatron.recompute=false batching.micro_batch_tokens=4096").
+# overrides (e.g. NODE_LEARNER="megatron.recompute=false batching.micro_batch_tokens=4096"). The generators write the
+# preset once into /root/arl-presets (vllm.work_dir): a second run on the same machine skips the ~80 s of building
+# moe-5b's random weights on the CPU.
 # Writes OUT/node-<gpu>x4-moe-5b-megatron-vllm-<date>.json (bench loop's summary: learner_nproc, generator_engine,
 # learner_idle_frac, generator_idle_frac, learner_ and generator_tokens_per_s_per_gpu, version_to_applied_s),
 # OUT/node.log (bench loop's output) and OUT/node-process-logs.txt (the tail of each process's log, then every
@@ -36,6 +38,7 @@ timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model "$mod
     --learner megatron.distributed_optimizer=${NODE_DIST_OPT:-true} --learner checkpoint.every=${NODE_CHECKPOINT_EVERY:-100} \
     --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} --generator vllm.kv_cache_mib=${NODE_KV_MIB:-0} \
     --learner sampling.max_new_tokens=${NODE_NEW_TOKENS:-128} --generator vllm.stop_on_eos=false \
+    --generator vllm.work_dir=/root/arl-presets \
     "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
 rc=$?
 tail -5 "$out/node.log"
