@@ -18,6 +18,9 @@
 # vLLM (40 GB: weights 10.1 GB, graphs, the rest KV cache): the other 40 GB is room for the worker's staging (~30 GB:
 # the version as received from the two learner ranks, 10.1 GB, and two slots of it assembled) and, at start, the
 # checkpoint it loads once to prove the replayed load (freed before the first version).
+# Every generator is on this node and takes versions over CUDA IPC, so the learner publishes no host copies
+# (publisher.gpu_host_copies=false): with them, rank 0 would keep a whole copy of the weights (10 GB) as the base of
+# the next delta and encode every version on its GPU, beside training.
 # The learner runs the distributed optimizer (NODE_DIST_OPT=true; docs/megatron.md): at EP=2 on two ranks the experts
 # (95 % of the parameters) have one replica each, so it shards the dense 5 % (fp32 copy and Adam state: 1.4 GB a rank saved).
 set -uo pipefail
@@ -34,7 +37,7 @@ json="$out/node-$gpu-$model-megatron-vllm-$day.json"
 timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model "$model" --device cuda --backend megatron \
     --learner-nproc 2 --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8.5} \
     --generators "$generators" --generator-engine vllm --generator-devices "$gen_devices" \
-    --learner megatron.expert_parallel=2 --learner megatron.lr=1e-5 \
+    --learner megatron.expert_parallel=2 --learner megatron.lr=1e-5 --learner publisher.gpu_host_copies=false \
     --learner megatron.distributed_optimizer=${NODE_DIST_OPT:-true} --learner checkpoint.every=${NODE_CHECKPOINT_EVERY:-100} \
     --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} --generator vllm.kv_cache_mib=${NODE_KV_MIB:-0} \
     --learner sampling.max_new_tokens=${NODE_NEW_TOKENS:-128} --generator vllm.stop_on_eos=false \
