@@ -34,12 +34,9 @@ extra=()  # NODE_LEARNER / NODE_GENERATOR: more overrides, space-separated key=v
 for kv in ${NODE_LEARNER:-}; do extra+=(--learner "$kv"); done
 for kv in ${NODE_GENERATOR:-}; do extra+=(--generator "$kv"); done
 json="$out/node-$gpu-$model-megatron-vllm-$day.json"
-timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model "$model" --device cuda --backend megatron \
-    --learner-nproc 2 --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8.5} \
-    --generators "$generators" --generator-engine vllm --generator-devices "$gen_devices" \
-    --learner megatron.expert_parallel=2 --learner megatron.lr=1e-5 --learner publisher.gpu_host_copies=false \
-    --learner megatron.distributed_optimizer=${NODE_DIST_OPT:-true} --learner checkpoint.every=${NODE_CHECKPOINT_EVERY:-100} \
-    --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} --generator vllm.kv_cache_mib=${NODE_KV_MIB:-0} \
+timeout ${NODE_TIMEOUT:-590} python3 -m actors.commands bench loop --model "$model" "${node[@]}" \
+    --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8.5} \
+    --learner megatron.lr=1e-5 --learner publisher.gpu_host_copies=false \
     --learner sampling.max_new_tokens=${NODE_NEW_TOKENS:-128} --generator vllm.stop_on_eos=false \
     --generator vllm.work_dir=/root/arl-presets \
     "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1

@@ -19,13 +19,9 @@ reuse=()
 if [ -f "$keep" ]; then reuse=(--reuse "$keep"); fi
 json="$out/async-$gpu-megatron-vllm-$(date +%Y-%m-%d).json"
 timeout ${NODE_ASYNC_TIMEOUT:-590} python3 -m actors.commands bench async --json "$json" --plot "${json%.json}.png" \
-    --device cuda --target ${NODE_ASYNC_TARGET:-0.9} --staleness ${NODE_ASYNC_STALENESS:-4} \
+    "${node[@]}" --target ${NODE_ASYNC_TARGET:-0.9} --staleness ${NODE_ASYNC_STALENESS:-4} \
     --max-minutes ${NODE_ASYNC_MINUTES:-4.5} --run-dir /tmp/bench-async-node \
-    --backend megatron --learner-nproc 2 --learner megatron.expert_parallel=2 \
-    --learner megatron.distributed_optimizer=true --learner checkpoint.every=100 \
-    --generators "$generators" --generator-engine vllm --generator-devices "$gen_devices" \
-    ${NODE_ASYNC_MODEL:+--model "$NODE_ASYNC_MODEL"} --generator vllm.gpu_memory_utilization=${NODE_GEN_MEM:-0.5} \
-    --generator vllm.kv_cache_mib=${NODE_KV_MIB:-0} "${reuse[@]}" > "$out/node-async.log" 2>&1
+    ${NODE_ASYNC_MODEL:+--model "$NODE_ASYNC_MODEL"} "${reuse[@]}" > "$out/node-async.log" 2>&1
 rc=$?
 tail -30 "$out/node-async.log"
 if [ -f "$json" ]; then cp "$json" "$keep"; fi
