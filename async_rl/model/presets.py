@@ -24,6 +24,8 @@ preset as such a directory, so that vLLM and transformers can load it offline.
 from __future__ import annotations
 
 import inspect
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -263,9 +265,6 @@ def shared_preset_dir(target: str | Path, *, preset: str, seed: int = 0, dtype: 
     """Preset ``preset`` (built with ``seed``) as a HF directory at ``target``, written once: several processes may
     ask at once (the generators of one node sharing a directory), so each writes beside it and renames into place,
     the first rename winning; a ``target`` that exists is used as it is, once it holds ``config.json``."""
-    import shutil
-    import tempfile
-
     target = Path(target)
     if (target / "config.json").is_file():
         return target
