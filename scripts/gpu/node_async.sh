@@ -9,7 +9,8 @@
 # again with NODE_ASYNC_STALENESS=2,4,8 for the rest. NODE_GEN_DEVICES moves the generators (node_gpus.sh: a two-GPU
 # rehearsal); NODE_ASYNC_MODEL another model (e.g. moe-107m, which learns the task too). Writes
 # OUT/async-<gpu>x4-megatron-vllm-<date>.json (best_async_vs_sync, each run's wall time to the target and idle
-# fractions, its full bench loop summary), the plot beside it (.png) and OUT/node-async.log.
+# fractions, its full bench loop summary; written after each run, so a call the device cuts short keeps the runs it
+# finished), the plot beside it (.png) and OUT/node-async.log.
 set -uo pipefail
 out=${1:?usage: node_async.sh OUT}
 mkdir -p "$out"

@@ -119,3 +119,21 @@ def test_bench_async_reuse_keeps_earlier_runs_of_the_same_setup_and_refuses_anot
     assert data["setup"]["backend"] == "megatron" and data["learner_nproc"] == 2
     with pytest.raises(SystemExit, match="another setup .backend 'megatron' there, 'torch' here"):
         sync_vs_async.main(["--json", str(out), "--device", "cuda", "--reuse", str(tmp_path / "first.json")])
+
+
+def test_bench_async_writes_its_json_after_each_run_for_a_call_cut_short(tmp_path: Path) -> None:
+    """After the synchronous run alone, the JSON holds it with the ratios null; a later call given it (``--reuse``)
+    keeps that run and completes the bench with the other."""
+    from actors.commands.bench import sync_vs_async
+
+    out = tmp_path / "node.json"
+    argv = ["--json", str(out), "--device", "cuda", "--staleness", "4", "--run-dir", str(tmp_path)]
+    args = sync_vs_async.parse_args(argv, "b")
+    sync_vs_async.write_partial(args, {"sync": _run(100.0, first_step=20.0)})
+    partial = json.loads(out.read_text())
+    assert partial["sync"]["train_to_0_9_s"] == 80.0 and partial["async"] == {}
+    assert partial["best_async_vs_sync"] is None and partial["best_async_vs_sync_from_start"] is None
+    partial["runs"]["async-4"] = _run(50.0)  # what the next call would have run
+    (tmp_path / "kept.json").write_text(json.dumps(partial))
+    assert sync_vs_async.main([*argv, "--reuse", str(tmp_path / "kept.json")]) == 0
+    assert json.loads(out.read_text())["best_async_vs_sync"] == 0.5625

@@ -155,17 +155,31 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> i
               f"the first step, in {r.get('steps_to_target')} steps; "
               f"idle learner {r.get('learner_idle_frac')} generators {r.get('generator_idle_frac')}; "
               f"tracebacks {len(r['tracebacks'])}", flush=True)  # fmt: skip
-    sync = pick(runs["sync"])
-    asyncs = {str(s): pick(runs[f"async-{s}"]) for s in args.staleness}
-    best = best_ratio(sync, asyncs, "train_to_0_9_s")
-    mine = setup(args)
-    out = {"bench": "async", "machine": runs["sync"]["machine"], **mine, "model": runs["sync"].get("model"),
-           "setup": mine, "recipe": recipe()[1], "sync": sync, "async": asyncs, "best_async_vs_sync": best,
-           "best_async_vs_sync_from_start": best_ratio(sync, asyncs, "wall_to_0_9_s"), "runs": runs}  # fmt: skip
+        write_partial(args, runs)
+    out = summary(args, runs)
     emit(out, args.json, print_skip=("runs",))
     if args.plot:
         plot(out, args.plot)
+    best = out["best_async_vs_sync"]
     return 0 if best is not None and not any(r["tracebacks"] for r in runs.values()) else 1
+
+
+def summary(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The bench's JSON from the runs done so far (a run not done yet is missing, and the ratios it needs null)."""
+    sync = pick(runs["sync"]) if "sync" in runs else None
+    asyncs = {str(s): pick(runs[f"async-{s}"]) for s in args.staleness if f"async-{s}" in runs}
+    ratios = {f"best_async_vs_sync{tail}": best_ratio(sync, asyncs, field) if sync is not None else None
+              for tail, field in (("", "train_to_0_9_s"), ("_from_start", "wall_to_0_9_s"))}  # fmt: skip
+    mine = setup(args)
+    first = next(iter(runs.values()))
+    return {"bench": "async", "machine": first["machine"], **mine, "model": first.get("model"), "setup": mine,
+            "recipe": recipe()[1], "sync": sync, "async": asyncs, **ratios, "runs": runs}  # fmt: skip
+
+
+def write_partial(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> None:
+    """The JSON after each run, for ``--reuse``: a call cut short (a device's time limit) keeps the runs it finished."""
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary(args, runs), indent=2) + "\n")
 
 
 SETUP = ("device", "generators", "model", "backend", "learner_nproc", "generator_engine", "generator_devices", "target")
