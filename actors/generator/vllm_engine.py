@@ -113,6 +113,9 @@ class VLLMEngine(Engine):
     _swapper: asyncio.Task | None
     _wake: asyncio.Event | None
     _applied: asyncio.Event | None
+    _slots: asyncio.Lock | None
+    """Held by a GPU copy into the workers' staging slots, and by the swap task from taking a version until it is
+    loaded: a copy arriving in between would land in that version's slot (a worker keeps two) and drop it."""
     _cleanup: set[asyncio.Task]
     _ids: itertools.count
     _uid: str
@@ -139,6 +142,7 @@ class VLLMEngine(Engine):
         self._swapper = None
         self._wake = None
         self._applied = None
+        self._slots = None
         self._cleanup = set()
         self._ids = itertools.count()
         self._uid = uuid.uuid4().hex[:6]
@@ -200,6 +204,7 @@ class VLLMEngine(Engine):
             self._loop = loop
             self._wake = asyncio.Event()
             self._applied = asyncio.Event()
+            self._slots = asyncio.Lock()
             self._ready = loop.create_task(self._setup(), name="vllm-engine-setup")
         elif self._loop is not loop:
             raise RuntimeError("VLLMEngine is bound to the event loop of its first call; use it from that loop only")
@@ -316,10 +321,13 @@ class VLLMEngine(Engine):
 
     async def _copy_gpu_version(self, manifest: Manifest) -> list[int]:
         """Every worker maps the learner's buffers and copies the version onto its GPU (generation pauses for the
-        copy's RPC, a few ms); returns the buckets' wsum64 (every rank's must agree) for the caller to check."""
+        copy's RPC, a few ms); returns the buckets' wsum64 (every rank's must agree) for the caller to check. A swap
+        under way finishes first: the copy would land in the staging slot of the version it loads."""
         await self._ensure_ready()
+        assert self._slots is not None
         t0 = time.perf_counter()
-        results = await self._llm.collective_rpc("arl_copy_ipc", args=(manifest.encode(), manifest.version))
+        async with self._slots:
+            results = await self._llm.collective_rpc("arl_copy_ipc", args=(manifest.encode(), manifest.version))
         for r in results:
             if "unavailable" in r:
                 raise IpcUnavailable(f"vLLM's worker cannot map the learner's GPU buffers: {r['unavailable']}")
@@ -414,21 +422,23 @@ class VLLMEngine(Engine):
     # ---------------------------------------------------------------- weights
 
     async def _swap_loop(self) -> None:
-        assert self._wake is not None
+        assert self._wake is not None and self._slots is not None
         while True:
             await self._wake.wait()
             self._wake.clear()
-            with self._lock:
-                item, self._pending = self._pending, None
-            if item is None or item[1] <= self._version:
-                continue
-            tensors, version = item
-            try:
-                await self._apply(tensors, version)
-                self.last_stage_error = None
-            except Exception as exc:  # a bad version must not kill the swap task; the engine reports it
-                self.last_stage_error = f"version {version}: {exc!r}"
-                log.exception("could not apply weight version %d; version %d stays in use", version, self._version)
+            async with self._slots:  # no copy lands in the slot of the version taken here until it is loaded
+                with self._lock:
+                    item, self._pending = self._pending, None
+                if item is None or item[1] <= self._version:
+                    continue
+                tensors, version = item
+                try:
+                    await self._apply(tensors, version)
+                    self.last_stage_error = None
+                except Exception as exc:  # a bad version must not kill the swap task; the engine reports it
+                    self.last_stage_error = f"version {version}: {exc!r}"
+                    log.exception("could not apply weight version %d; version %d stays in use", version,
+                                  self._version)  # fmt: skip
 
     async def _apply(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
         llm = self._llm

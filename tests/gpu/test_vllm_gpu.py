@@ -1,5 +1,6 @@
 """The project's vLLM engine on a GPU (vLLM 0.25.1 on the GPU machines): logprobs and native routes against a full
-forward, a swap against a freshly started engine, versions across a swap, weights over CUDA IPC bit for bit, TP=2.
+forward, a swap against a freshly started engine, versions across a swap, weights over CUDA IPC bit for bit (also
+versions copied while a swap runs), TP=2.
 
 Model: the ``moe-107m`` preset in bf16 (8 layers, 32 experts top-4). References run the same checkpoint in
 transformers, in fp32 (from the bf16 weights), so the gaps below are vLLM's bf16 compute and kernels. Figures the
@@ -229,6 +230,52 @@ async def test_weights_over_cuda_ipc_arrive_bit_for_bit(engine: VLLMEngine, engi
                 await redis.delete(*keys)
         await redis.aclose()
 
+
+@shared_loop
+async def test_versions_copied_while_a_swap_runs_are_all_loaded(engine: VLLMEngine, engine_b: VLLMEngine, servers,
+                                                                model_dirs: tuple[Path, Path],
+                                                                caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """The node's asynchronous run (issue 39, four H200s) logged "could not apply weight version": the swap task had
+    taken a version and waited for a step boundary while two newer ones were copied, the second into the taken one's
+    staging slot (a worker keeps two). Versions published and copied back to back while sequences generate, each
+    handed over at once: no swap fails, and the last version (B) is in use."""
+    import logging
+
+    import redis.asyncio as aioredis
+
+    from async_rl.run.names import Names
+    from async_rl.weights.config import PublisherConfig
+    from async_rl.weights.gpu.publisher import GpuPublisher, local_slots
+    from async_rl.weights.gpu.reader import GpuReader
+
+    names = Names(prefix=f"t-vllm-{uuid.uuid4().hex[:8]}")
+    redis = aioredis.Redis.from_url(servers.redis_url)
+    cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=64 << 20)
+    pub = GpuPublisher(redis, names, cfg, local_slots("cuda:0", cfg))
+    sources = [_source(d, "fused") for d in model_dirs]
+    params = SamplingParams(max_new_tokens=200, temperature=1.0, mask_special_tokens=False)
+    caplog.set_level(logging.ERROR, logger="actors.generator.vllm_engine")
+    try:
+        await pub.clean()
+        reader, copier = GpuReader(redis, names, None), engine.gpu_copier()
+        assert copier is not None
+        first = max(engine.version, 30) + 1
+        busy = asyncio.ensure_future(engine.generate(_prompts(32, seed=3, length=8), params))
+        for i in range(12):  # A, B, A, ..., B
+            assert await pub.offer(first + i, lambda s=sources[i % 2]: s)
+            await pub.wait_idle()
+            await reader.fetch(first + i, copy=copier)
+            engine.stage_copied(first + i)  # no wait: the next copy may come while this one is being swapped in
+        await busy
+        assert await engine.wait_applied(first + 11, SWAP_TIMEOUT_S), engine.last_stage_error
+        failed = [r.getMessage() for r in caplog.records if "could not apply" in r.getMessage()]
+        assert not failed, failed
+        assert await _digest(engine) == await _digest(engine_b)
+    finally:
+        keys = [k async for k in redis.scan_iter(match=names.all_key_pattern())]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 async def test_tensor_parallel_2_takes_host_and_ipc_versions(model_dirs: tuple[Path, Path], servers) -> None:
