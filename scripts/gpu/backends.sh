@@ -13,6 +13,7 @@ set -euo pipefail
 out=${1:?usage: backends.sh OUT_DIR [LAYERS]}
 layers=${2:-2}
 mkdir -p "$out"
+source "$(dirname "$0")/leftovers.sh"  # what an earlier call left on the GPUs
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())")
 rc=0
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -35,10 +36,12 @@ if [ "$ngpu" -ge 4 ]; then
     ep4="$out/megatron-backends-${gpu}x4-ep4-30b-a3b-slice-${layers}l-${mb}.json"
     ep4_deep="$out/megatron-backends-${gpu}x4-ep4-30b-a3b-slice-${deep}l-${mb}.json"
     python3 -m actors.commands bench backends --preset qwen3-30b-a3b-slice --layers "$layers" --backends megatron \
-        --micro-batch-tokens "$mb" --json "$one" 2>&1 | grep -v Warning | tail -4 | tee "$out/scaling-one-gpu.log" || rc=1
+        --default-settings-only --micro-batch-tokens "$mb" --json "$one" 2>&1 | grep -v Warning | tail -4 \
+        | tee "$out/scaling-one-gpu.log" || rc=1
     for run in "$layers:$ep4" "$deep:$ep4_deep"; do
         torchrun --standalone --nproc-per-node 4 -m actors.commands bench backends --preset qwen3-30b-a3b-slice \
-            --layers "${run%%:*}" --backends megatron --expert-parallel 4 --micro-batch-tokens "$mb" --json "${run#*:}" \
+            --layers "${run%%:*}" --backends megatron --expert-parallel 4 --micro-batch-tokens "$mb" --profile \
+            --json "${run#*:}" \
             2>&1 | grep -v Warning | tail -4 | tee -a "$out/scaling-ep4.log" || rc=1
     done
     python3 - "$one" "$ep4" "$ep4_deep" "$out/scaling-${gpu}x4-ep4-30b-a3b-slice.json" <<'PY' || rc=1
@@ -66,7 +69,8 @@ elif [ "$ngpu" -ge 2 ] && [ "${ONLY:-}" != scaling ]; then
     # EP=2 on two GPUs against one GPU (tokens/s per GPU), both on micro-batches of up to 16k tokens so that each of
     # the two data-parallel ranks holds a sequence of most micro-batches.
     python3 -m actors.commands bench backends --preset qwen3-30b-a3b-slice --layers "$layers" --backends megatron \
-        --micro-batch-tokens 16384 --json "$out/megatron-backends-${gpu}-30b-a3b-slice-${layers}l-16k.json" 2>&1 \
+        --default-settings-only --micro-batch-tokens 16384 \
+        --json "$out/megatron-backends-${gpu}-30b-a3b-slice-${layers}l-16k.json" 2>&1 \
         | grep -v Warning | tail -4 | tee "$out/backends-30b-a3b-slice-16k.log" || rc=1
     torchrun --standalone --nproc-per-node 2 -m actors.commands bench backends --preset qwen3-30b-a3b-slice \
         --layers "$layers" --backends megatron --expert-parallel 2 --micro-batch-tokens 16384 \

@@ -19,11 +19,17 @@ keep=/root/node-async.json
 reuse=()
 if [ -f "$keep" ]; then reuse=(--reuse "$keep"); fi
 json="$out/async-$gpu-megatron-vllm-$(date +%Y-%m-%d).json"
+runs=/tmp/bench-async-node-$(date +%s)  # a fresh one each call: bench loop refuses a directory holding a cut run
 timeout ${NODE_ASYNC_TIMEOUT:-590} python3 -m actors.commands bench async --json "$json" --plot "${json%.json}.png" \
     "${node[@]}" --target ${NODE_ASYNC_TARGET:-0.9} --staleness ${NODE_ASYNC_STALENESS:-4} \
-    --max-minutes ${NODE_ASYNC_MINUTES:-4.5} --run-dir /tmp/bench-async-node \
+    --max-minutes ${NODE_ASYNC_MINUTES:-4.5} --run-dir "$runs" \
     ${NODE_ASYNC_MODEL:+--model "$NODE_ASYNC_MODEL"} "${reuse[@]}" > "$out/node-async.log" 2>&1
 rc=$?
+# Every traceback of the runs' processes whole (bench loop's summary keeps only their first lines), after the bench's
+# output: what the next session needs to mend it.
+for f in "$runs"/*/*.log; do
+    grep -q "^Traceback" "$f" && { echo "== $f"; grep -B3 -A25 "^Traceback" "$f" | head -150; }
+done >> "$out/node-async.log"
 tail -30 "$out/node-async.log"
 if [ -f "$json" ]; then cp "$json" "$keep"; fi
 exit $rc

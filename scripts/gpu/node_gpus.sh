@@ -4,6 +4,7 @@
 # script where fewer GPUs are visible than the learner's two and the generators' need.
 # A rehearsal on two GPUs: NODE_GEN_DEVICES=cuda:1 NODE_MODEL=moe-1.6b NODE_GEN_MEM=0.3 NODE_KV_MIB=8192 (the
 # generator beside rank 1; a fixed KV cache, as vLLM's profiling would count the learner's memory growing as its own).
+source "$(dirname "${BASH_SOURCE[0]}")/leftovers.sh"  # what an earlier call left on the GPUs
 gen_devices=${NODE_GEN_DEVICES:-cuda:2,cuda:3}
 generators=$(tr ',' '\n' <<< "$gen_devices" | grep -c .)
 need=$(tr ',' '\n' <<< "$gen_devices" | sed -n 's/^cuda:\([0-9]*\)$/\1/p' | sort -n | tail -1)

@@ -103,3 +103,25 @@ class Procs:
                 p.kill()
         for p in self.procs.values():
             p.wait()
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes ``pid`` started (a command's roles: the learner, the generators, Valkey and NATS)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            if f"\nPPid:\t{pid}\n" in status:
+                out.append(int(entry.name))
+    return out
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("\nState:\t", 1)[1][0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

@@ -13,31 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.procs import children_of, is_alive
+
 ROOT = Path(__file__).resolve().parents[2]
 STOP_WITHIN_S = 15.0
 """The roles stop in 2-4 s here (the learner commits, a generator finishes its batch); room for a loaded CI machine."""
-
-
-def _children(pid: int) -> list[int]:
-    """The processes ``pid`` started: the learner, the generators, Valkey and NATS."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                status = (entry / "status").read_text()
-            except OSError:
-                continue
-            if f"\nPPid:\t{pid}\n" in status:
-                out.append(int(entry.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/status").read_text().split("\nState:\t", 1)[1][0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def _start(tmp_path: Path, ignore_sigint: bool) -> subprocess.Popen:
@@ -59,7 +39,7 @@ def _wait_for(what: str, check, proc: subprocess.Popen, timeout_s: float) -> Non
 
 
 def _interrupted(proc: subprocess.Popen, send) -> tuple[str, str, float]:  # type: ignore[no-untyped-def]
-    children = _children(proc.pid)
+    children = children_of(proc.pid)
     assert len(children) == 4, children  # learner, generator, Valkey, NATS
     t0 = time.monotonic()
     send()
@@ -70,7 +50,7 @@ def _interrupted(proc: subprocess.Popen, send) -> tuple[str, str, float]:  # typ
             os.killpg(proc.pid, signal.SIGKILL)
     took = time.monotonic() - t0
     assert proc.returncode == 130, (proc.returncode, err[-3000:])
-    assert not [c for c in children if _alive(c)], "a role or a server outlived the quickstart"
+    assert not [c for c in children if is_alive(c)], "a role or a server outlived the quickstart"
     return out, err, took
 
 

@@ -4,7 +4,9 @@ Embedded Valkey and NATS servers, one learner (``--learner-nproc`` > 1 runs it u
 TP/PP/EP over the ranks), N torch-engine generators, the copy task; it stops after ``--steps`` learner
 steps or ``--max-minutes``. What it measures comes from the processes themselves: every learner step's
 metrics (the ``LearnerProgress`` events on NATS, one per step, all scalar metrics), every generator
-heartbeat (weight fetch time, swap pause, tokens/s), and the logs, which stay in the run directory.
+heartbeat (weight fetch time, swap pause, tokens/s), and the logs, which stay in the run directory. SIGTERM or
+SIGINT (a device call's time limit, Ctrl-C) stops the run: its roles stop, and the summary of what it measured until
+then is written, ``outcome`` saying so (exit status 1).
 
     async-rl bench loop --json out.json                                  # CPU: the quickstart's model
     async-rl bench loop --json out.json --model moe-107m --device cuda --backend megatron --steps 40
@@ -44,6 +46,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -327,6 +330,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench loop") -> in
     return 0 if done and not summary["tracebacks"] else 1
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+INTERRUPTED = "interrupted (SIGTERM or SIGINT)"
+"""The outcome of a run stopped by a signal: its roles were stopped (nothing outlives it) and its summary holds what
+it measured until then."""
+
+
 async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
     """Run the loop ``args`` (of :func:`parse_args`) describes; returns its summary."""
     from actors.commands.bench.report import machine
@@ -361,9 +370,16 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
     procs += [spawn_role(cmd, run_dir / f"generator-{i}.log", threads=threads) for i, cmd in enumerate(gen_cmds)]
     deadline = t0 + args.max_minutes * 60
     outcome = "time limit"
+    stop = asyncio.Event()  # SIGTERM or SIGINT (a device's time limit, Ctrl-C): the roles stop, the summary is written
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
     try:
         while time.time() < deadline:
             await asyncio.sleep(0.5)
+            if stop.is_set():
+                outcome = INTERRUPTED
+                break
             if procs[0].poll() is not None:
                 outcome = "learner finished" if procs[0].returncode == 0 else f"learner failed ({procs[0].returncode})"
                 break
@@ -378,6 +394,8 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
         stop_roles(procs, timeout_s=30.0)
         await plane.close()
         servers.stop()
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
     summary: dict[str, Any] = {
         "bench": "loop", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(args.device),
         "model": args.model, "backend": args.backend, "device": args.device, "learner_nproc": args.learner_nproc,

@@ -149,8 +149,14 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> i
             continue
         largs = loop.parse_args(loop_argv(args, name, staleness), prog=f"{prog} ({name})")
         print(f"== {name}: {' '.join(staleness)}", flush=True)
-        runs[name] = asyncio.run(loop.run_loop(largs))
-        r = runs[name]
+        r = asyncio.run(loop.run_loop(largs))
+        if r["outcome"] == loop.INTERRUPTED:  # not kept (a later --reuse runs it again), and no other run starts
+            print(f"   {name}: {r['outcome']}: stopped after {r['steps']} steps; the runs before it are kept in "
+                  f"{args.json}", flush=True)  # fmt: skip
+            if runs:
+                write_partial(args, runs)
+            return 1
+        runs[name] = r
         print(f"   wall to {args.target}: {r.get('wall_to_target_s')} s from start, {pick(r)['train_to_0_9_s']} s from "
               f"the first step, in {r.get('steps_to_target')} steps; "
               f"idle learner {r.get('learner_idle_frac')} generators {r.get('generator_idle_frac')}; "
