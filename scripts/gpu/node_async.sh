@@ -20,7 +20,7 @@ reuse=()
 if [ -f "$keep" ]; then reuse=(--reuse "$keep"); fi
 json="$out/async-$gpu-megatron-vllm-$(date +%Y-%m-%d).json"
 runs=/tmp/bench-async-node-$(date +%s)  # a fresh one each call: bench loop refuses a directory holding a cut run
-timeout ${NODE_ASYNC_TIMEOUT:-590} python3 -m actors.commands bench async --json "$json" --plot "${json%.json}.png" \
+timeout ${NODE_ASYNC_TIMEOUT:-540} python3 -m actors.commands bench async --json "$json" --plot "${json%.json}.png" \
     "${node[@]}" --target ${NODE_ASYNC_TARGET:-0.9} --staleness ${NODE_ASYNC_STALENESS:-4} \
     --max-minutes ${NODE_ASYNC_MINUTES:-4.5} --run-dir "$runs" \
     ${NODE_ASYNC_MODEL:+--model "$NODE_ASYNC_MODEL"} "${reuse[@]}" > "$out/node-async.log" 2>&1
