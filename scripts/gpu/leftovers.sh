@@ -2,8 +2,8 @@
 # ARL_GPU_LEFTOVERS=kill stops those of this project (a command line with `actors.commands`, or vLLM's engine
 # processes: `VLLM::...`). A device call cut by its time limit can leave such processes behind (a learner rank blocked
 # in a collective spins on its GPU; a vLLM engine holds its memory) and they would share the GPUs with what the next
-# call measures: scripts/gpu/setup.sh, sourced by every device command, sets ARL_GPU_LEFTOVERS=kill. Elsewhere the default only warns:
-# on a machine of your own they may be another run of yours.
+# call measures: scripts/gpu/setup.sh, sourced by every device command, sets ARL_GPU_LEFTOVERS=kill. Elsewhere the
+# default only warns: on a machine of your own they may be another run of yours.
 leftover_pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | sort -u | tr '\n' ' ')
 if [ -n "${leftover_pids// /}" ]; then
     echo "leftovers: processes on the GPUs before this script starts:" >&2
