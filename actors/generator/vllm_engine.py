@@ -325,8 +325,8 @@ class VLLMEngine(Engine):
         under way finishes first: the copy would land in the staging slot of the version it loads."""
         await self._ensure_ready()
         assert self._slots is not None
-        t0 = time.perf_counter()
         async with self._slots:
+            t0 = time.perf_counter()  # the copy's time, not the wait for a swap
             results = await self._llm.collective_rpc("arl_copy_ipc", args=(manifest.encode(), manifest.version))
         for r in results:
             if "unavailable" in r:
