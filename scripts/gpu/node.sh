@@ -13,13 +13,13 @@
 # learner_idle_frac, generator_idle_frac, learner_ and generator_tokens_per_s_per_gpu, version_to_applied_s),
 # OUT/node.log (bench loop's output) and OUT/node-process-logs.txt (the tail of each process's log, then every
 # "vLLM engine: version" line of the generators: each swap's breakdown).
-# The learner's micro-batches hold NODE_MICRO_BATCH_TOKENS=32768 padded tokens (half on each data-parallel rank): a
-# micro-batch of moe-5b costs nearly the same however small it is (24 layers, each with the MoE all-to-all's host
-# syncs, in the forward, the recompute and the backward): 4096-token ones made a step of 34,560 tokens take 3.3 s on
-# two H200s, about 0.37 s each (node-h200x4-moe-5b-learner2-gen1-2026-11-27.json: 4,870 tokens/s a learner GPU); one
-# H200 took 1.69 s for the same step in about five micro-batches of 8192. With full recompute (the default) a rank
-# should peak near 52 GB at 32768 (an estimate: the state 46 GB, each layer's input, one layer's activations);
-# without it (megatron.recompute=false) near 100 GB: H200 only.
+# The learner's micro-batches hold up to NODE_MICRO_BATCH_TOKENS=65536 padded tokens (half on each data-parallel
+# rank): a step's 256 sequences of about 135 tokens (~36k padded) in one. At EP=2 a micro-batch of moe-5b has a cost
+# that hardly shrinks with its size (24 layers, each with the MoE all-to-all's host syncs, in the forward and the
+# backward): 4096-token ones made a step of 34,560 tokens take 3.3 s on two H200s, about 0.37 s each for ~2,000 tokens
+# a rank (node-h200x4-moe-5b-learner2-gen1-2026-11-27.json: 4,870 tokens/s a learner GPU, recompute off). With full
+# recompute (the default) a rank should peak near 53 GB (an estimate: the state 46 GB, each layer's input, one
+# layer's activations for ~18k tokens); without it (megatron.recompute=false) far more: H200 only.
 # Checkpoints every NODE_CHECKPOINT_EVERY=100 steps, i.e. not within the run: a Megatron checkpoint of this model
 # takes tens of seconds and the generators idle meanwhile. The generators keep NODE_GEN_MEM=0.5 of their GPU for
 # vLLM (40 GB: weights 10.1 GB, graphs, the rest KV cache): the other 40 GB is room for the worker's staging (~30 GB:
@@ -44,7 +44,7 @@ json="$out/node-$gpu-$model-megatron-vllm-$day.json"
 timeout ${NODE_TIMEOUT:-540} python3 -m actors.commands bench loop --model "$model" "${node[@]}" \
     --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8} \
     --learner megatron.lr=1e-5 --learner publisher.gpu_host_copies=false \
-    --learner batching.micro_batch_tokens=${NODE_MICRO_BATCH_TOKENS:-32768} \
+    --learner batching.micro_batch_tokens=${NODE_MICRO_BATCH_TOKENS:-65536} \
     --learner sampling.max_new_tokens=${NODE_NEW_TOKENS:-128} --generator vllm.stop_on_eos=false \
     --generator vllm.work_dir=/root/arl-presets \
     "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
