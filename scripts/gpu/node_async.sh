@@ -7,8 +7,8 @@
 # 4; the synchronous run always) that /root/node-async.json does not hold yet (`bench async --reuse`: kept while the
 # machine stays warm), NODE_ASYNC_MINUTES (default 6: on four H200s Megatron and vLLM started in 96-101 s, then the
 # synchronous run trained 167 s) each at most; a run the call's time limit stops is not kept: the next call runs it.
-# Call it again with NODE_ASYNC_STALENESS=2,4,8 for the rest. NODE_GEN_DEVICES moves the generators (node_gpus.sh: a two-GPU
-# rehearsal); NODE_ASYNC_MODEL another model (e.g. moe-107m, which learns the task too). Writes
+# Call it again with NODE_ASYNC_STALENESS=2,4,8 for the rest. NODE_GEN_DEVICES moves the generators (node_gpus.sh: a
+# two-GPU rehearsal); NODE_ASYNC_MODEL another model (e.g. moe-107m, which learns the task too). Writes
 # OUT/async-<gpu>x4-megatron-vllm-<date>.json (best_async_vs_sync, each run's wall time to the target and idle
 # fractions, its full bench loop summary; written after each run, so a call the device cuts short keeps the runs it
 # finished), the plot beside it (.png) and OUT/node-async.log.
