@@ -30,6 +30,7 @@ def test_synchronous_loop_trains_only_on_the_current_version(tmp_path: Path) -> 
     summary = json.loads(out.read_text())
     assert set(FIELDS) <= set(summary)
     assert summary["steps"] >= 6 and summary["tracebacks"] == [] and summary["outcome"] == "learner finished"
+    assert summary["signalled"] is False
     hist = summary["tokens_by_staleness"]
     assert hist["0"] > 0 and sum(hist.values()) == hist["0"], hist  # nothing trained was sampled by an older version
     assert "dropped" not in (tmp_path / "run" / "learner.log").read_text()  # and nothing was sampled in vain
@@ -60,6 +61,6 @@ def test_sigterm_stops_the_roles_and_writes_what_was_measured(tmp_path: Path) ->
             proc.kill()
     assert proc.returncode == 1, output[-3000:]  # stopped before its steps: not a finished benchmark
     summary = json.loads(out.read_text())
-    assert summary["outcome"] == INTERRUPTED and summary["steps"] >= 1, summary["outcome"]
+    assert summary["outcome"] == INTERRUPTED and summary["signalled"] and summary["steps"] >= 1, summary["outcome"]
     assert summary["tracebacks"] == []
     assert not [pid for pid in children if is_alive(pid)], "a role outlived the bench"

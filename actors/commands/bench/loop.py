@@ -6,7 +6,8 @@ steps or ``--max-minutes``. What it measures comes from the processes themselves
 metrics (the ``LearnerProgress`` events on NATS, one per step, all scalar metrics), every generator
 heartbeat (weight fetch time, swap pause, tokens/s), and the logs, which stay in the run directory. SIGTERM or
 SIGINT (a device call's time limit, Ctrl-C) stops the run: its roles stop, and the summary of what it measured until
-then is written, ``outcome`` saying so (exit status 1).
+then is written, ``outcome`` saying so (exit status 1); ``signalled`` is true when a signal came at any time, also
+while the roles were stopping after the run had ended on its own.
 
     async-rl bench loop --json out.json                                  # CPU: the quickstart's model
     async-rl bench loop --json out.json --model moe-107m --device cuda --backend megatron --steps 40
@@ -403,7 +404,7 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
         "generator_devices": args.generator_devices or args.device, "lr": args.lr, "learner_overrides": args.learner,
         "generator_overrides": args.generator, "outcome": outcome, "wall_s": round(time.time() - t0, 1),
         **summarize(events, beats, args.warmup_steps, t0, args.target), "tracebacks": tracebacks(run_dir),
-        "run_dir": str(run_dir),
+        "run_dir": str(run_dir), "signalled": stop.is_set(),
     }  # fmt: skip
     summary.update(per_gpu_rates(summary, args))
     return summary

@@ -150,18 +150,16 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> i
         largs = loop.parse_args(loop_argv(args, name, staleness), prog=f"{prog} ({name})")
         print(f"== {name}: {' '.join(staleness)}", flush=True)
         r = asyncio.run(loop.run_loop(largs))
-        if r["outcome"] == loop.INTERRUPTED:  # not kept (a later --reuse runs it again), and no other run starts
-            print(f"   {name}: {r['outcome']}: stopped after {r['steps']} steps; the runs before it are kept in "
-                  f"{args.json}", flush=True)  # fmt: skip
-            if runs:
-                write_partial(args, runs)
+        if r["outcome"] != loop.INTERRUPTED:  # an interrupted run is not kept: a later --reuse runs it again
+            runs[name] = r
+            print(f"   wall to {args.target}: {r.get('wall_to_target_s')} s from start, {pick(r)['train_to_0_9_s']} s "
+                  f"from the first step, in {r.get('steps_to_target')} steps; idle learner {r.get('learner_idle_frac')} "
+                  f"generators {r.get('generator_idle_frac')}; tracebacks {len(r['tracebacks'])}", flush=True)  # fmt: skip
+        if runs:
+            write_partial(args, runs)
+        if r.get("signalled"):  # SIGTERM/SIGINT during the run or as it ended: no other run starts
+            print(f"   {name}: {r['outcome']}, then stopped by a signal; the runs done are in {args.json}", flush=True)
             return 1
-        runs[name] = r
-        print(f"   wall to {args.target}: {r.get('wall_to_target_s')} s from start, {pick(r)['train_to_0_9_s']} s from "
-              f"the first step, in {r.get('steps_to_target')} steps; "
-              f"idle learner {r.get('learner_idle_frac')} generators {r.get('generator_idle_frac')}; "
-              f"tracebacks {len(r['tracebacks'])}", flush=True)  # fmt: skip
-        write_partial(args, runs)
     out = summary(args, runs)
     emit(out, args.json, print_skip=("runs",))
     if args.plot:
