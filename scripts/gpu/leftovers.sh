@@ -20,7 +20,8 @@ if [ -n "${leftover_pids// /}" ]; then
         kill -9 $ours 2>/dev/null
         sleep 1
     else
-        echo "leftovers: left running (ARL_GPU_LEFTOVERS=kill stops this project's:${ours:- none}); what follows shares the GPUs" >&2
+        echo "leftovers: left running (ARL_GPU_LEFTOVERS=kill stops this project's:${ours:- none});" \
+             "what follows shares the GPUs with them" >&2
     fi
     unset ours cmd pid
 fi
