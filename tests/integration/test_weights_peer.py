@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -68,9 +69,10 @@ async def test_relay_chain_is_bit_exact_and_the_publisher_sends_one_copy(
         got = await asyncio.gather(*(WeightReader(redis_client, k, names).fetch(1) for k in kids))
         assert all(_same(src, f.tensors) for f in got)
         if same_host == "tcp":  # the publisher feeds one peer (fan-out 1); the peers feed the others
-            assert pub_t.bytes_sent == manifest.total_bytes
+            assert await _settled(lambda: pub_t.bytes_sent, manifest.total_bytes) == manifest.total_bytes
             assert sorted(k.topology.entries[1].depth for k in kids)[:2] == [1, 2]
-            assert sum(k.bytes_sent for k in kids) == 2 * manifest.total_bytes
+            relayed = await _settled(lambda: sum(k.bytes_sent for k in kids), 2 * manifest.total_bytes)
+            assert relayed == 2 * manifest.total_bytes
         else:  # one host: memfds handed over, no bytes sent
             assert pub_t.bytes_sent == 0 and all(k.bytes_received == 0 for k in kids)
     finally:
@@ -99,8 +101,10 @@ async def test_corrupt_bucket_from_a_peer_is_refused_and_fetched_from_another(
         fetched = await WeightReader(redis_client, child, names).fetch(1)
         assert _same(src, fetched.tensors)
         assert child.num_corrupt == 1 and child.num_reattaches == 1
-        assert bad.bytes_sent >= sum(b.nbytes for b in manifest.buckets[:3])  # buckets 0-2 (and what its socket took)
-        assert pub_t.bytes_sent == sum(b.nbytes for b in manifest.buckets[2:])  # resumed at the bad bucket
+        bad_part = sum(b.nbytes for b in manifest.buckets[:3])
+        assert await _settled(lambda: bad.bytes_sent, bad_part) >= bad_part  # buckets 0-2 (and what its socket took)
+        rest = sum(b.nbytes for b in manifest.buckets[2:])
+        assert await _settled(lambda: pub_t.bytes_sent, rest) == rest  # resumed at the bad bucket
     finally:
         for t in (child, bad, pub_t):
             await t.close()
@@ -117,6 +121,16 @@ def _start_relay(redis_url: str, prefix: str) -> subprocess.Popen:
          "peer://127.0.0.1:0?fanout=1&same_host=tcp&ttl_s=5"],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+async def _settled(count: Callable[[], int], want: int, timeout_s: float = 10.0) -> int:
+    """``count()`` once it reached ``want`` (or the deadline passed): a peer's server thread counts a bucket in
+    ``bytes_sent`` after its last byte left the socket, so the child can hold the bucket before the count moves."""
+    for _ in range(int(timeout_s / 0.01)):
+        if count() >= want:
+            break
+        await asyncio.sleep(0.01)
+    return count()
 
 
 def _readline(proc: subprocess.Popen, want: str, timeout_s: float) -> None:
@@ -158,7 +172,8 @@ async def test_relay_killed_mid_transfer_child_reattaches_and_resumes(
         assert [c for _, c in got] == [xxhash.xxh3_64_intdigest(b) for b in buckets]
         assert child.num_reattaches >= 1 and len(child.reattach_s) == 1 and child.reattach_s[0] < 5
         # Resumed at the bucket it was on: the publisher sent the relay the first half, the child the second.
-        assert pub_t.bytes_sent == sum(len(b) for b in buckets[:4]) + sum(len(b) for b in buckets[4:])
+        want = sum(len(b) for b in buckets[:4]) + sum(len(b) for b in buckets[4:])
+        assert await _settled(lambda: pub_t.bytes_sent, want) == want
     finally:
         if relay is not None and relay.poll() is None:
             relay.kill()
@@ -181,7 +196,8 @@ async def test_each_publishing_rank_serves_its_own_buckets(
             *(asyncio.gather(*(k.get(1, i) for i in range(len(buckets)))) for k in kids)
         )  # fmt: skip
         assert all([bytes(v) for v in views] == buckets for views in got)
-        assert [r.bytes_sent for r in ranks] == [sum(map(len, buckets[:3])), sum(map(len, buckets[3:]))]
+        want = [sum(map(len, buckets[:3])), sum(map(len, buckets[3:]))]
+        assert [await _settled(lambda r=r: r.bytes_sent, w) for r, w in zip(ranks, want, strict=True)] == want
         assert all(k.num_reattaches == 0 for k in kids)  # moving to the next rank is not a failure
     finally:
         for t in [*kids, *ranks]:
@@ -256,7 +272,8 @@ async def test_late_joiner_pulls_from_a_peer_even_with_the_publisher_gone(
         await pub_t.close()  # the learner's side is gone: only the first generator holds version 1
         fetched = await WeightReader(redis_client, late, names).fetch(1)
         assert _same(src, fetched.tensors)
-        assert late.topology.entries[1].depth == 2 and first.bytes_sent == manifest.total_bytes
+        assert late.topology.entries[1].depth == 2
+        assert await _settled(lambda: first.bytes_sent, manifest.total_bytes) == manifest.total_bytes
     finally:
         for t in (late, first, pub_t):
             await t.close()
