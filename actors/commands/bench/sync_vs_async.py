@@ -129,6 +129,13 @@ def best_ratio(sync: dict[str, Any], asyncs: dict[str, dict[str, Any]], field: s
     return min(walls) / sync[field] if walls and sync[field] else None
 
 
+def ratios(sync: dict[str, Any] | None, asyncs: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """``best_async_vs_sync`` (training wall time) and ``best_async_vs_sync_from_start`` of picked runs (:func:`pick`);
+    both None without a synchronous run."""
+    return {f"best_async_vs_sync{tail}": best_ratio(sync, asyncs, field) if sync is not None else None
+            for tail, field in (("", "train_to_0_9_s"), ("_from_start", "wall_to_0_9_s"))}  # fmt: skip
+
+
 def main(argv: list[str] | None = None, prog: str = "async-rl bench async") -> int:
     from actors.commands.bench import loop
     from actors.commands.bench.report import emit
@@ -172,12 +179,10 @@ def summary(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict[s
     """The bench's JSON from the runs done so far (a run not done yet is missing, and the ratios it needs null)."""
     sync = pick(runs["sync"]) if "sync" in runs else None
     asyncs = {str(s): pick(runs[f"async-{s}"]) for s in args.staleness if f"async-{s}" in runs}
-    ratios = {f"best_async_vs_sync{tail}": best_ratio(sync, asyncs, field) if sync is not None else None
-              for tail, field in (("", "train_to_0_9_s"), ("_from_start", "wall_to_0_9_s"))}  # fmt: skip
     mine = setup(args)
     first = next(iter(runs.values()))
     return {"bench": "async", "machine": first["machine"], **mine, "model": first.get("model"), "setup": mine,
-            "recipe": recipe()[1], "sync": sync, "async": asyncs, **ratios, "runs": runs}  # fmt: skip
+            "recipe": recipe()[1], "sync": sync, "async": asyncs, **ratios(sync, asyncs), "runs": runs}  # fmt: skip
 
 
 def write_partial(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> None:
@@ -235,9 +240,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("wall time from the learner's first step (s)")
     ax.set_ylabel("exact-match rate (5-step mean)")
     runs = {name: pick(run) for name, run in data["runs"].items()}  # from the runs: an 11-24 JSON's ratio is the other
-    asyncs = {name: run for name, run in runs.items() if name != "sync"}
-    best = best_ratio(runs["sync"], asyncs, "train_to_0_9_s") if "sync" in runs else None
-    start = best_ratio(runs["sync"], asyncs, "wall_to_0_9_s") if "sync" in runs else None
+    both = ratios(runs.get("sync"), {name: run for name, run in runs.items() if name != "sync"})
+    best, start = both["best_async_vs_sync"], both["best_async_vs_sync_from_start"]
     ratio = f"best async / sync = {best:.2f}" if best is not None else "no async run reached the target"
     ratio += f" ({start:.2f} from process start)" if start is not None else ""
     ax.set_title(f"sync vs async to {data['target']}: {data['machine']}\n{ratio}", fontsize=9)
