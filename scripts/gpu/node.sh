@@ -55,9 +55,7 @@ for f in "$run_dir"/*.log; do  # each log's first and last lines (start-up, then
     echo "== $f"; head -25 /tmp/node-log-part; echo "..."; tail -35 /tmp/node-log-part
 done > "$out/node-process-logs.txt"
 grep -h "vLLM engine: version" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
-for f in "$run_dir"/*.log; do  # every traceback whole: the summary keeps only their first lines
-    grep -q "^Traceback" "$f" && { echo "== traceback in $f"; grep -B3 -A25 "^Traceback" "$f" | head -150; }
-done >> "$out/node-process-logs.txt"
+whole_tracebacks "$run_dir"/*.log >> "$out/node-process-logs.txt"
 tail -40 "$out/node-process-logs.txt"
 python3 - "$json" <<'PY' || true
 import json, sys

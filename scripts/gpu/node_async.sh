@@ -26,11 +26,7 @@ timeout ${NODE_ASYNC_TIMEOUT:-540} python3 -m actors.commands bench async --json
     --max-minutes ${NODE_ASYNC_MINUTES:-6} --run-dir "$runs" \
     ${NODE_ASYNC_MODEL:+--model "$NODE_ASYNC_MODEL"} "${reuse[@]}" > "$out/node-async.log" 2>&1
 rc=$?
-# Every traceback of the runs' processes whole (bench loop's summary keeps only their first lines), after the bench's
-# output: what the next session needs to mend it.
-for f in "$runs"/*/*.log; do
-    grep -q "^Traceback" "$f" && { echo "== $f"; grep -B3 -A25 "^Traceback" "$f" | head -150; }
-done >> "$out/node-async.log"
+whole_tracebacks "$runs"/*/*.log >> "$out/node-async.log"  # after the bench's output: what a fix needs
 tail -30 "$out/node-async.log"
 if [ -f "$json" ]; then cp "$json" "$keep"; fi
 exit $rc
