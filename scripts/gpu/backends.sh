@@ -3,10 +3,14 @@
 # gradients and peak memory at the 151,936 vocabulary), then `bench backends` on the Qwen3-30B-A3B slice (Megatron
 # with SDPA + grouped experts; torch with full logits and with logprob chunks of 4096), then on the 1.65B shape of
 # `bench loop` (16 layers, hidden 1024, 64 experts top-8, every layer MoE as the moe-1.6b preset); with two GPUs, the
-# slice under EP=2 against one GPU on the same 16k-token micro-batches. With four GPUs (issue 39), instead: the slice
-# under EP=4 against one GPU on the same micro-batches of SCALE_MB_TOKENS (default 32768: a sequence for each of the
-# four data-parallel ranks), then EP=4 on SCALE_LAYERS (default 8) layers, which one GPU cannot hold (MFU), and
-# OUT_DIR/scaling-<gpu>x4-ep4-30b-a3b-slice.json with tokens_per_s_per_gpu_vs_one_gpu and each run's MFU.
+# slice under EP=2 against one GPU on the same 16k-token micro-batches. With four GPUs (issue 39), instead: EP=4 against
+# one GPU at the same load a GPU: one GPU trains SCALE_SEQUENCES (default 16, the preset's step) in micro-batches of
+# SCALE_RANK_MB_TOKENS (default 8192), EP=4 trains four times the sequences in micro-batches of four times the tokens,
+# which the backend splits into a micro-batch of up to SCALE_RANK_MB_TOKENS for each of its four data-parallel ranks
+# (balance.py): every GPU trains micro-batches of the one GPU's size, and a step of as many tokens a GPU (how an RL
+# step grows with the learner's GPUs). Then EP=4 on SCALE_LAYERS (default 8) layers, which one GPU cannot hold (MFU),
+# then EP=4 on the one GPU's step itself (16 sequences over four GPUs: the fixed costs a step, shared by fewer tokens
+# a GPU), and OUT_DIR/scaling-<gpu>x4-ep4-30b-a3b-slice.json with tokens_per_s_per_gpu_vs_one_gpu and each run's MFU.
 # One JSON per bench in OUT_DIR; logs beside them. ONLY=scaling runs the four-GPU part alone.
 #   scripts/gpu/backends.sh OUT_DIR [LAYERS]      (LAYERS of the slice, default 2; 4 is tight for Megatron)
 set -euo pipefail
@@ -30,21 +34,24 @@ python3 -m actors.commands bench backends --default-settings-only --layers 16 --
     | grep -v Warning | tail -20 | tee "$out/backends-1.6b.log" || rc=1
 fi
 if [ "$ngpu" -ge 4 ]; then
-    mb=${SCALE_MB_TOKENS:-32768}
+    rank_mb=${SCALE_RANK_MB_TOKENS:-8192}
+    seqs=${SCALE_SEQUENCES:-16}
     deep=${SCALE_LAYERS:-8}
-    one="$out/megatron-backends-${gpu}-30b-a3b-slice-${layers}l-${mb}.json"
-    ep4="$out/megatron-backends-${gpu}x4-ep4-30b-a3b-slice-${layers}l-${mb}.json"
-    ep4_deep="$out/megatron-backends-${gpu}x4-ep4-30b-a3b-slice-${deep}l-${mb}.json"
+    one="$out/megatron-backends-${gpu}-30b-a3b-slice-${layers}l-${rank_mb}.json"
+    ep4="$out/megatron-backends-${gpu}x4-ep4-30b-a3b-slice-${layers}l-4x${rank_mb}.json"
+    ep4_deep="$out/megatron-backends-${gpu}x4-ep4-30b-a3b-slice-${deep}l-4x${rank_mb}.json"
+    ep4_same="$out/megatron-backends-${gpu}x4-ep4-30b-a3b-slice-${layers}l-one-gpu-step.json"
     python3 -m actors.commands bench backends --preset qwen3-30b-a3b-slice --layers "$layers" --backends megatron \
-        --default-settings-only --micro-batch-tokens "$mb" --json "$one" 2>&1 | grep -v Warning | tail -4 \
-        | tee "$out/scaling-one-gpu.log" || rc=1
-    for run in "$layers:$ep4" "$deep:$ep4_deep"; do
+        --default-settings-only --sequences "$seqs" --micro-batch-tokens "$rank_mb" --json "$one" 2>&1 \
+        | grep -v Warning | tail -4 | tee "$out/scaling-one-gpu.log" || rc=1
+    for run in "$layers:$((4 * seqs)):$ep4" "$deep:$((4 * seqs)):$ep4_deep" "$layers:$seqs:$ep4_same"; do
+        IFS=: read -r n_layers n_seqs json <<< "$run"
         torchrun --standalone --nproc-per-node 4 -m actors.commands bench backends --preset qwen3-30b-a3b-slice \
-            --layers "${run%%:*}" --backends megatron --expert-parallel 4 --micro-batch-tokens "$mb" --profile \
-            --json "${run#*:}" \
-            2>&1 | grep -v Warning | tail -4 | tee -a "$out/scaling-ep4.log" || rc=1
+            --layers "$n_layers" --backends megatron --expert-parallel 4 --sequences "$n_seqs" \
+            --micro-batch-tokens $((4 * rank_mb)) --profile --json "$json" \
+            2>&1 | grep -v Warning | tail -40 | tee -a "$out/scaling-ep4.log" || rc=1
     done
-    python3 - "$one" "$ep4" "$ep4_deep" "$out/scaling-${gpu}x4-ep4-30b-a3b-slice.json" <<'PY' || rc=1
+    python3 - "$one" "$ep4" "$ep4_deep" "$ep4_same" "$out/scaling-${gpu}x4-ep4-30b-a3b-slice.json" <<'PY' || rc=1
 import json, sys
 from pathlib import Path
 
@@ -54,15 +61,23 @@ def row(path):
         return None
     data = json.loads(p.read_text())
     r = next(r for r in data["results"] if r["backend"] == "megatron")
+    prof = r.get("profile") or {}
     return {"json": p.name, "layers": data["model"].get("layers"), "world_size": r.get("world_size") or 1,
-            "tokens_per_s": r["tokens_per_s"], "tokens_per_s_per_gpu": r.get("tokens_per_s_per_gpu") or r["tokens_per_s"],
-            "mfu": r["mfu"], "device": data["device"]}
+            "sequences": len([n for mb in data["batch"]["sequence_lengths"] for n in mb]),
+            "tokens_per_step": data["batch"]["tokens_per_step"], "micro_batch_tokens": data["batch"]["micro_batch_tokens"],
+            "step_time_s": r["step_time_s_median"], "tokens_per_s": r["tokens_per_s"],
+            "tokens_per_s_per_gpu": r.get("tokens_per_s_per_gpu") or r["tokens_per_s"], "mfu": r["mfu"],
+            "peak_memory_gib": r["peak_memory_gib"], "gpu_busy_frac": prof.get("gpu_busy_frac"), "device": data["device"]}
 
-one, ep4, deep = (row(p) for p in sys.argv[1:4])
+one, ep4, deep, same = (row(p) for p in sys.argv[1:5])
 ratio = ep4["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"] if one and ep4 else None
-out = {"bench": "scaling", "one_gpu": one, "ep4": ep4, "ep4_deep": deep, "tokens_per_s_per_gpu_vs_one_gpu": ratio,
-       "ep4_deep_mfu": deep["mfu"] if deep else None}
-Path(sys.argv[4]).write_text(json.dumps(out, indent=2))
+out = {"bench": "scaling",
+       "comparison": "the same load a GPU: the one GPU's step and micro-batches on each of the four (weak scaling)",
+       "one_gpu": one, "ep4": ep4, "ep4_deep": deep, "ep4_one_gpu_step": same,
+       "tokens_per_s_per_gpu_vs_one_gpu": ratio, "ep4_deep_mfu": deep["mfu"] if deep else None,
+       "one_gpu_step_tokens_per_s_per_gpu_vs_one_gpu": (same["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
+                                                        if one and same else None)}
+Path(sys.argv[5]).write_text(json.dumps(out, indent=2))
 print(json.dumps({k: v for k, v in out.items() if k != "bench"}, indent=1))
 PY
 elif [ "$ngpu" -ge 2 ] && [ "${ONLY:-}" != scaling ]; then
