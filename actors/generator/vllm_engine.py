@@ -71,7 +71,7 @@ from actors.generator.weight_handover import pack_weights
 from async_rl.model.presets import is_preset, save_pretrained_dir, shared_preset_dir
 from async_rl.model.token_mask import MASKED_LOGIT, masked_token_ids
 from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
-from async_rl.weights.gpu.reader import RemoteCopy
+from async_rl.weights.gpu.reader import RemoteCopied, RemoteCopy
 from async_rl.weights.manifest import Manifest
 from async_rl.weights.reader import CorruptVersion
 
@@ -319,10 +319,11 @@ class VLLMEngine(Engine):
 
         return self._copy_gpu_version if current_platform.is_cuda_alike() else None
 
-    async def _copy_gpu_version(self, manifest: Manifest) -> list[int]:
+    async def _copy_gpu_version(self, manifest: Manifest) -> RemoteCopied:
         """Every worker maps the learner's buffers and copies the version onto its GPU (generation pauses for the
-        copy's RPC, a few ms); returns the buckets' wsum64 (every rank's must agree) for the caller to check. A swap
-        under way finishes first: the copy would land in the staging slot of the version it loads."""
+        copy's RPC, a few ms); returns the buckets' wsum64 (every rank's must agree) for the caller to check, and when
+        the last rank had read the learner's buffers. A swap under way finishes first: the copy would land in the
+        staging slot of the version it loads."""
         await self._ensure_ready()
         assert self._slots is not None
         async with self._slots:
@@ -337,11 +338,12 @@ class VLLMEngine(Engine):
                 raise CorruptVersion(f"GPU-held weights v{manifest.version}: tensor-parallel rank {rank} copied "
                                      "other bytes than rank 0")  # fmt: skip
         self.last_stage_s = time.perf_counter() - t0
+        copied_at = max(float(r["copied_at"]) for r in results)
         r = results[0]
         log.info("vLLM engine: version %d copied from the learner's GPU in %.3f s (in the worker %.3f: copy and "
                  "checksums %.3f, views %.3f; loads by %s)", manifest.version, self.last_stage_s, r["s"], r["copy_s"],
                  r["prepare_s"], r["load"])  # fmt: skip
-        return sums
+        return RemoteCopied(sums, copied_at)
 
     def stage_copied(self, version: int) -> None:
         """Swap in a version the workers copied and the caller verified (:meth:`gpu_copier`)."""

@@ -277,7 +277,8 @@ class ArlWorkerExtension:
 
     def arl_copy_ipc(self, manifest: bytes, version: int) -> dict[str, Any]:
         """Copy a GPU-held version from the learner's buffers onto this worker's GPU and keep it staged (module
-        docstring). Returns ``{"sums": [wsum64 per bucket], "s": seconds, "copy_s", "prepare_s", "load"}``, or
+        docstring). Returns ``{"sums": [wsum64 per bucket], "copied_at": time.monotonic() once the learner's
+        buffers were read, "s": seconds, "copy_s", "prepare_s", "load"}``, or
         ``{"unavailable": why}`` when this worker cannot map the buffers (another host or namespace, a device it
         cannot see).
 
@@ -318,7 +319,7 @@ class ArlWorkerExtension:
         except IpcUnavailable as exc:
             return {"unavailable": str(exc)}
         self._arl_receive = (layout, buffers) if pieced else None
-        t1 = time.perf_counter()
+        t1, copied_at = time.perf_counter(), time.monotonic()  # the learner's buffers are read (copy_buckets waited)
         if same is not None and same.views and same.plan is self._arl_plan:
             if pieced:
                 assemble(m, buffers, device, into=same.assembled, own=True)
@@ -336,7 +337,7 @@ class ArlWorkerExtension:
             views = all(t.untyped_storage().data_ptr() in ptrs for _, t in item.named)
             self._arl_slots[slot] = _Slot(layout, kept, item.named, item.bound, self._arl_plan, views, assembled)
         t2 = time.perf_counter()
-        return {"sums": sums, "s": t2 - t0, "copy_s": t1 - t0, "prepare_s": t2 - t1, **how}
+        return {"sums": sums, "copied_at": copied_at, "s": t2 - t0, "copy_s": t1 - t0, "prepare_s": t2 - t1, **how}
 
     def arl_apply_staged(self, version: int) -> float:
         """Load the staged version in place (call with the engine paused); returns seconds spent."""

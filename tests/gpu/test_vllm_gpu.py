@@ -259,6 +259,7 @@ async def test_versions_copied_while_a_swap_runs_are_all_loaded(engine: VLLMEngi
         await pub.clean()
         reader, copier = GpuReader(redis, names, None), engine.gpu_copier()
         assert copier is not None
+        await engine.ready()  # as a generator does before its first copy: the set-up must not run inside a lease
         first = max(engine.version, 30) + 1
         busy = asyncio.ensure_future(engine.generate(_prompts(32, seed=3, length=8), params))
         for i in range(12):  # A, B, A, ..., B

@@ -23,6 +23,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import torch
@@ -42,8 +43,20 @@ from async_rl.weights.reader import (
 )
 from async_rl.weights.signing import run_secret
 
-RemoteCopy = Callable[[Manifest], Awaitable[list[int]]]
-"""Copies a GPU-held version somewhere else (e.g. inside a vLLM worker) and returns every bucket's wsum64."""
+
+@dataclass(frozen=True)
+class RemoteCopied:
+    """What a :data:`RemoteCopy` reports: every bucket's wsum64, and when it had read the learner's buffers."""
+
+    sums: list[int]
+    copied_at: float
+    """``time.monotonic()`` (one clock for every process of a host, the only place a CUDA IPC copy runs) once the
+    last byte was read from the learner's buffers: the lease has to last until then, not through what the copier
+    does with its copy afterwards (a vLLM worker's first version of a slot is prepared for seconds)."""
+
+
+RemoteCopy = Callable[[Manifest], Awaitable[RemoteCopied]]
+"""Copies a GPU-held version somewhere else (e.g. inside a vLLM worker): :class:`RemoteCopied`."""
 
 
 class GpuReader:
@@ -80,7 +93,8 @@ class GpuReader:
 
     async def fetch(self, version: int, copy: RemoteCopy | None = None) -> FetchedVersion:
         """``version`` copied into this reader's GPU and verified (module docstring); with ``copy``, copied by
-        ``copy(manifest)`` (which returns every bucket's wsum64) and verified here: the result then has no tensors."""
+        ``copy(manifest)`` (:class:`RemoteCopied`) and verified here: the result then has no tensors. The lease has to
+        last until the learner's buffers were read (:attr:`RemoteCopied.copied_at` with ``copy``)."""
         t0 = time.perf_counter()
         n = self.names
         ttl_s = self.cfg.gpu_lease_ttl_s
@@ -98,11 +112,13 @@ class GpuReader:
             t1 = time.perf_counter()
             buffers: list[torch.Tensor] = []
             if copy is not None:
-                sums = await copy(manifest)
+                copied = await copy(manifest)
+                sums, copied_at = copied.sums, copied.copied_at
             else:
                 buffers, sums = await asyncio.to_thread(self._copy, manifest)
+                copied_at = time.monotonic()
             transfer_s = time.perf_counter() - t1
-            if time.monotonic() - leased_at >= ttl_s:
+            if copied_at - leased_at >= ttl_s:
                 raise LeaseOutlasted(f"GPU-held weights version {version}: the copy outlasted its {ttl_s}s lease "
                                      "(the learner may have refilled the buffers); discarded")  # fmt: skip
         finally:

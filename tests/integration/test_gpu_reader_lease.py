@@ -1,0 +1,87 @@
+"""A GPU-held version copied elsewhere (a vLLM worker's copy, ``GpuReader.fetch(copy=...)``) against its lease, on
+the host: the lease has to last until the learner's buffers were read, not through what the copier does with its
+copy afterwards. On the node (issue 39) each vLLM worker's first version of a slot took 2.1-2.4 s in the worker,
+~1 s of it preparing views after the bytes were in, against a 2 s lease: every generator's first version was thrown
+away as outlasted and copied again. Real Redis; the manifest is a real GPU manifest (GPU slots filled on the CPU
+device); the copier stands where the worker's RPC is and reports what the worker reports."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from async_rl.run.names import Names
+from async_rl.weights.config import ReaderConfig
+from async_rl.weights.gpu.cuda_ipc import IpcHandle, host_key
+from async_rl.weights.gpu.reader import GpuReader, RemoteCopied
+from async_rl.weights.gpu.slots import GpuSlots
+from async_rl.weights.manifest import GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
+from async_rl.weights.reader import CorruptVersion, LeaseOutlasted
+from async_rl.weights.snapshot import Piece
+from tests.conftest import ServerSet
+
+TTL_S = 1.0
+"""The reader's lease here (2 s by default): every copier below stays clear of it by half a second or more."""
+
+
+async def _publish(redis: aioredis.Redis, names: Names, version: int) -> Manifest:
+    """A GPU version's manifest under ``names``, as the learner's publisher commits it (the buffers are not mapped:
+    the copier under test never maps them)."""
+    slots = GpuSlots("cpu", num_slots=2, bucket_bytes=2048)
+    g = torch.Generator().manual_seed(version)
+    fill = slots.fill(0, version, [Piece("embed.weight", torch.randn(50, 16, generator=g)),
+                                   Piece("norm.weight", torch.randn(16, generator=g))])  # fmt: skip
+    tensors, buckets = slots.manifest_parts(fill.wait())
+    handles = [IpcHandle(f"GPU-{i}", bytes([i]) * 64, 1 << 20, 0, b"rc", 8, b"ev" * 32, True) for i in range(len(buckets))]
+    m = Manifest(version=version, tensors=tensors, buckets=buckets, transport=GPU_TRANSPORT, checksum=GPU_CHECKSUM,
+                 full_version=version, taken_at=time.time(), ipc=IpcPlacement(host_key(), handles))  # fmt: skip
+    m.validate()
+    await redis.set(names.weights_gpu_manifest(version), m.encode(None))
+    return m
+
+
+@pytest.fixture
+async def redis(servers: ServerSet):  # type: ignore[no-untyped-def]
+    client = aioredis.Redis.from_url(servers.redis_url)
+    yield client
+    await client.aclose()
+
+
+async def test_a_copier_that_prepares_past_the_lease_after_reading_keeps_its_version(redis: aioredis.Redis,
+                                                                                      names: Names) -> None:  # fmt: skip
+    m = await _publish(redis, names, 3)
+
+    async def copier(manifest: Manifest) -> RemoteCopied:
+        copied_at = time.monotonic()  # the bytes are in
+        await asyncio.sleep(TTL_S + 0.5)  # views, checks and the load plan's binding: a first version of a slot
+        return RemoteCopied([b.checksum for b in manifest.buckets], copied_at)
+
+    fetched = await GpuReader(redis, names, None, ReaderConfig(gpu_lease_ttl_s=TTL_S)).fetch(3, copy=copier)
+    assert fetched.version == 3 and fetched.tensors == {} and fetched.bytes_fetched == m.total_bytes
+    assert await redis.zcard(names.weights_gpu_readers(3)) == 0  # the lease is given back
+
+
+async def test_a_copier_that_reads_after_the_lease_loses_its_version(redis: aioredis.Redis, names: Names) -> None:
+    await _publish(redis, names, 4)
+
+    async def copier(manifest: Manifest) -> RemoteCopied:
+        await asyncio.sleep(TTL_S + 0.5)  # e.g. waiting for a swap under way before copying
+        return RemoteCopied([b.checksum for b in manifest.buckets], time.monotonic())
+
+    with pytest.raises(LeaseOutlasted, match="outlasted its 1.0s lease"):
+        await GpuReader(redis, names, None, ReaderConfig(gpu_lease_ttl_s=TTL_S)).fetch(4, copy=copier)
+    assert await redis.zcard(names.weights_gpu_readers(4)) == 0
+
+
+async def test_a_copier_reporting_other_bytes_is_refused(redis: aioredis.Redis, names: Names) -> None:
+    await _publish(redis, names, 5)
+
+    async def copier(manifest: Manifest) -> RemoteCopied:
+        return RemoteCopied([b.checksum ^ 1 for b in manifest.buckets], time.monotonic())
+
+    with pytest.raises(CorruptVersion, match="bucket 0: wsum64"):
+        await GpuReader(redis, names, None, ReaderConfig(gpu_lease_ttl_s=TTL_S)).fetch(5, copy=copier)
