@@ -25,6 +25,12 @@
 # vLLM (40 GB: weights 10.1 GB, graphs, the rest KV cache): the other 40 GB is room for the worker's staging (~30 GB:
 # the version as received from the two learner ranks, 10.1 GB, and two slots of it assembled) and, at start, the
 # checkpoint it loads once to prove the replayed load (freed before the first version).
+# The staleness bound is NODE_STALENESS=4 (bench loop's own is 2): admission keeps S steps of prompts in flight
+# (S + 1, less learner.admission_lag_versions=1), and they must outlast a generator's batch, or the learner waits for
+# every other step. On four H200s (S=2, node-h200x4-moe-5b-learner2-gen2-2026-11-27.json) 64 prompts in flight
+# were 2.2 s of training against 2.5-2.9 s for a batch's 128 decoding steps: steps alternated 1.1 s and 2.7 s (learner idle 0.33) while the generators idled 0.58.
+# The summary's generator_gpus_per_learner_gpu says how many generator GPUs one learner GPU keeps busy (docs/gpus.md):
+# 0.43 there, so NODE_GEN_DEVICES=cuda:2 (one generator for the two learner GPUs) is the split that run points to.
 # Every generator is on this node and takes versions over CUDA IPC, so the learner publishes no host copies
 # (publisher.gpu_host_copies=false): with them, rank 0 would keep a whole copy of the weights (10 GB) as the base of
 # the next delta and encode every version on its GPU, beside training.
@@ -45,6 +51,7 @@ timeout ${NODE_TIMEOUT:-540} python3 -m actors.commands bench loop --model "$mod
     --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8} \
     --learner megatron.lr=1e-5 --learner publisher.gpu_host_copies=false \
     --learner batching.micro_batch_tokens=${NODE_MICRO_BATCH_TOKENS:-65536} \
+    --learner staleness.max_staleness=${NODE_STALENESS:-4} \
     --learner sampling.max_new_tokens=${NODE_NEW_TOKENS:-128} --generator vllm.stop_on_eos=false \
     --generator vllm.work_dir=/root/arl-presets \
     "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
@@ -62,7 +69,7 @@ import json, sys
 s = json.load(open(sys.argv[1]))
 keys = ("outcome", "steps", "learner_nproc", "generator_engine", "steps_per_s", "train_s", "learner_idle_frac",
         "generator_idle_frac", "learner_tokens_per_s_per_gpu", "generator_tokens_per_s_per_gpu",
-        "version_to_applied_s", "peak_memory_gib", "tracebacks")
+        "generator_gpus_per_learner_gpu", "version_to_applied_s", "peak_memory_gib", "tracebacks")
 print({k: s.get(k) for k in keys})
 PY
 exit $rc

@@ -60,6 +60,18 @@ def test_per_gpu_rates_divide_by_learner_ranks_and_distinct_generator_gpus(four_
         "learner_tokens_per_s_per_gpu": None, "generator_tokens_per_s_per_gpu": None}  # fmt: skip
 
 
+def test_split_is_the_learners_busy_rate_over_the_generators() -> None:
+    # The node on four H200s, two learner GPUs against two vLLM GPUs (node-h200x4-moe-5b-learner2-gen2-2026-11-27):
+    # busy rates 16,710 and 39,160 tokens/s a GPU, so one learner GPU keeps 0.43 generator GPUs busy.
+    node = {"learner_tokens_per_s_per_gpu": 11163.2, "generator_tokens_per_s_per_gpu": 16368.2,
+            "learner_idle_frac": 0.332, "generator_idle_frac": 0.582}  # fmt: skip
+    assert loop.split(node) == pytest.approx(0.4267, abs=1e-3)
+    assert loop.split({**node, "generator_idle_frac": 0.0}) == pytest.approx(11163.2 / 0.668 / 16368.2)
+    for missing in ({**node, "learner_tokens_per_s_per_gpu": None}, {**node, "generator_idle_frac": None},
+                    {**node, "learner_idle_frac": 1.0}, {}):  # the CPU, a side that never worked
+        assert loop.split(missing) is None
+
+
 def test_swap_pause_is_the_median_over_every_swap_the_heartbeats_carry() -> None:
     from async_rl.servers.control import Heartbeat
 

@@ -26,7 +26,9 @@ the GPU or the CPU), ``learner_idle_frac`` (time waiting
 for rollouts), ``generator_idle_frac`` (time not generating, from the
 heartbeats' ``generate_s``), ``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
 ``peak_memory_gib`` (the learner's, GPU), ``learner_tokens_per_s_per_gpu`` and ``generator_tokens_per_s_per_gpu``
-(each side's tokens/s over its GPUs: the learner's ranks, the generators' distinct devices; on CUDA), ``tracebacks`` (lines in any process log; a clean run has none); with
+(each side's tokens/s over its GPUs: the learner's ranks, the generators' distinct devices; on CUDA),
+``generator_gpus_per_learner_gpu`` (the split those rates and idle fractions point to: :func:`split`),
+``tracebacks`` (lines in any process log; a clean run has none); with
 ``--target``, ``wall_to_target_s`` and ``steps_to_target``.
 
 ``moe-107m`` is the GPU benchmark model of the publishing and Megatron issues (a preset: every process builds
@@ -181,6 +183,20 @@ def per_gpu_rates(summary: dict[str, Any], args: argparse.Namespace) -> dict[str
     learner, generator = summary.get("learner_tokens_per_s"), summary.get("generator_tokens_per_s")
     return {"learner_tokens_per_s_per_gpu": learner / args.learner_nproc if learner is not None else None,
             "generator_tokens_per_s_per_gpu": generator / num_generator_gpus if generator is not None else None}  # fmt: skip
+
+
+def split(summary: dict[str, Any]) -> float | None:
+    """Generator GPUs one learner GPU keeps busy: each side's busy rate a GPU (its tokens/s over the share of the time
+    it was not idle), the learner's over the generators' (docs/gpus.md, "the split"). The learner counts whole
+    sequences and the generators their responses: with long prompts, scale it by the responses' share. None without
+    both sides' rates, or where a side was idle all along."""
+    learner, generator = summary.get("learner_tokens_per_s_per_gpu"), summary.get("generator_tokens_per_s_per_gpu")
+    learner_idle, generator_idle = summary.get("learner_idle_frac"), summary.get("generator_idle_frac")
+    if not learner or not generator or learner_idle is None or generator_idle is None:
+        return None
+    if learner_idle >= 1.0 or generator_idle >= 1.0:
+        return None
+    return (learner / (1.0 - learner_idle)) / (generator / (1.0 - generator_idle))
 
 
 def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any], warmup: int, t0: float,
@@ -407,4 +423,5 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
         "run_dir": str(run_dir), "signalled": stop.is_set(),
     }  # fmt: skip
     summary.update(per_gpu_rates(summary, args))
+    summary["generator_gpus_per_learner_gpu"] = split(summary)
     return summary
