@@ -28,7 +28,8 @@
 # The staleness bound is NODE_STALENESS=4 (bench loop's own is 2): admission keeps S steps of prompts in flight
 # (S + 1, less learner.admission_lag_versions=1), and they must outlast a generator's batch, or the learner waits for
 # every other step. On four H200s (S=2, node-h200x4-moe-5b-learner2-gen2-2026-11-27.json) 64 prompts in flight
-# were 2.2 s of training against 2.5-2.9 s for a batch's 128 decoding steps: steps alternated 1.1 s and 2.7 s (learner idle 0.33) while the generators idled 0.58.
+# were 2.2 s of training against 2.5-2.9 s for a batch's 128 decoding steps: steps alternated 1.1 s and 2.7 s
+# (learner idle 0.33) while the generators idled 0.58.
 # The summary's generator_gpus_per_learner_gpu says how many generator GPUs one learner GPU keeps busy (docs/gpus.md):
 # 0.43 there, so NODE_GEN_DEVICES=cuda:2 (one generator for the two learner GPUs) is the split that run points to.
 # Every generator is on this node and takes versions over CUDA IPC, so the learner publishes no host copies
