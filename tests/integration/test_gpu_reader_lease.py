@@ -22,7 +22,6 @@ from async_rl.weights.gpu.slots import GpuSlots
 from async_rl.weights.manifest import GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
 from async_rl.weights.reader import CorruptVersion, LeaseOutlasted
 from async_rl.weights.snapshot import Piece
-from tests.conftest import ServerSet
 
 TTL_S = 1.0
 """The reader's lease here (2 s by default): every copier below stays clear of it by half a second or more."""
@@ -44,44 +43,48 @@ async def _publish(redis: aioredis.Redis, names: Names, version: int) -> Manifes
     return m
 
 
-@pytest.fixture
-async def redis(servers: ServerSet):  # type: ignore[no-untyped-def]
-    client = aioredis.Redis.from_url(servers.redis_url)
-    yield client
-    await client.aclose()
-
-
-async def test_a_copier_that_prepares_past_the_lease_after_reading_keeps_its_version(redis: aioredis.Redis,
+async def test_a_copier_that_prepares_past_the_lease_after_reading_keeps_its_version(redis_client: aioredis.Redis,
                                                                                       names: Names) -> None:  # fmt: skip
-    m = await _publish(redis, names, 3)
+    m = await _publish(redis_client, names, 3)
 
     async def copier(manifest: Manifest) -> RemoteCopied:
         copied_at = time.monotonic()  # the bytes are in
         await asyncio.sleep(TTL_S + 0.5)  # views, checks and the load plan's binding: a first version of a slot
         return RemoteCopied([b.checksum for b in manifest.buckets], copied_at)
 
-    fetched = await GpuReader(redis, names, None, ReaderConfig(gpu_lease_ttl_s=TTL_S)).fetch(3, copy=copier)
+    fetched = await GpuReader(redis_client, names, None, ReaderConfig(gpu_lease_ttl_s=TTL_S)).fetch(3, copy=copier)
     assert fetched.version == 3 and fetched.tensors == {} and fetched.bytes_fetched == m.total_bytes
-    assert await redis.zcard(names.weights_gpu_readers(3)) == 0  # the lease is given back
+    assert await redis_client.zcard(names.weights_gpu_readers(3)) == 0  # the lease is given back
 
 
-async def test_a_copier_that_reads_after_the_lease_loses_its_version(redis: aioredis.Redis, names: Names) -> None:
-    await _publish(redis, names, 4)
+async def test_a_copier_that_reads_after_the_lease_loses_its_version(redis_client: aioredis.Redis, names: Names) -> None:
+    await _publish(redis_client, names, 4)
 
     async def copier(manifest: Manifest) -> RemoteCopied:
         await asyncio.sleep(TTL_S + 0.5)  # e.g. waiting for a swap under way before copying
         return RemoteCopied([b.checksum for b in manifest.buckets], time.monotonic())
 
     with pytest.raises(LeaseOutlasted, match="outlasted its 1.0s lease"):
-        await GpuReader(redis, names, None, ReaderConfig(gpu_lease_ttl_s=TTL_S)).fetch(4, copy=copier)
-    assert await redis.zcard(names.weights_gpu_readers(4)) == 0
+        await GpuReader(redis_client, names, None, ReaderConfig(gpu_lease_ttl_s=TTL_S)).fetch(4, copy=copier)
+    assert await redis_client.zcard(names.weights_gpu_readers(4)) == 0
 
 
-async def test_a_copier_reporting_other_bytes_is_refused(redis: aioredis.Redis, names: Names) -> None:
-    await _publish(redis, names, 5)
+async def test_a_copier_reporting_other_bytes_is_refused(redis_client: aioredis.Redis, names: Names) -> None:
+    await _publish(redis_client, names, 5)
 
     async def copier(manifest: Manifest) -> RemoteCopied:
         return RemoteCopied([b.checksum ^ 1 for b in manifest.buckets], time.monotonic())
 
     with pytest.raises(CorruptVersion, match="bucket 0: wsum64"):
-        await GpuReader(redis, names, None, ReaderConfig(gpu_lease_ttl_s=TTL_S)).fetch(5, copy=copier)
+        await GpuReader(redis_client, names, None, ReaderConfig(gpu_lease_ttl_s=TTL_S)).fetch(5, copy=copier)
+
+
+async def test_a_time_from_another_clock_counts_as_now(redis_client: aioredis.Redis, names: Names) -> None:
+    await _publish(redis_client, names, 6)
+
+    async def copier(manifest: Manifest) -> RemoteCopied:
+        await asyncio.sleep(TTL_S + 0.5)
+        return RemoteCopied([b.checksum for b in manifest.buckets], 0.0)  # before the lease: not this host's clock
+
+    with pytest.raises(LeaseOutlasted):
+        await GpuReader(redis_client, names, None, ReaderConfig(gpu_lease_ttl_s=TTL_S)).fetch(6, copy=copier)
