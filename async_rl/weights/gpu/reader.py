@@ -113,9 +113,9 @@ class GpuReader:
             buffers: list[torch.Tensor] = []
             if copy is not None:
                 copied = await copy(manifest)
-                sums, copied_at = copied.sums, time.monotonic()
-                if leased_at <= copied.copied_at <= copied_at:  # else another clock (a time namespace): now, to be safe
-                    copied_at = copied.copied_at
+                sums, now = copied.sums, time.monotonic()
+                # A time outside the lease's span is another clock's (a time namespace): now, to be safe.
+                copied_at = copied.copied_at if leased_at <= copied.copied_at <= now else now
             else:
                 buffers, sums = await asyncio.to_thread(self._copy, manifest)
                 copied_at = time.monotonic()
