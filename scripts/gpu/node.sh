@@ -18,8 +18,9 @@
 # that hardly shrinks with its size (24 layers, each with the MoE all-to-all's host syncs, in the forward and the
 # backward): 4096-token ones made a step of 34,560 tokens take 3.3 s on two H200s, about 0.37 s each for ~2,000 tokens
 # a rank (node-h200x4-moe-5b-learner2-gen1-2026-11-27.json: 4,870 tokens/s a learner GPU, recompute off). With full
-# recompute (the default) a rank should peak near 53 GB (an estimate: the state 46 GB, each layer's input, one
-# layer's activations for ~18k tokens); without it (megatron.recompute=false) far more: H200 only.
+# recompute (the default) a rank peaked at 61.8 GiB on four H200s (node-h200x4-moe-5b-learner2-gen2-2026-11-27.json:
+# the state 46 GB, each layer's input, one layer's activations for ~18k tokens; 53 GB was the estimate), within an
+# H100's 80 GB; without it (megatron.recompute=false) far more: H200 only.
 # Checkpoints every NODE_CHECKPOINT_EVERY=100 steps, i.e. not within the run: a Megatron checkpoint of this model
 # takes tens of seconds and the generators idle meanwhile. The generators keep NODE_GEN_MEM=0.5 of their GPU for
 # vLLM (40 GB: weights 10.1 GB, graphs, the rest KV cache): the other 40 GB is room for the worker's staging (~30 GB:
