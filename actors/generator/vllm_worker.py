@@ -184,7 +184,8 @@ class ArlWorkerExtension:
 
     def arl_setup(self, capture_routes: bool, num_experts: int, model_dir: str, swap_load: str = "reload") -> dict:
         """Install the route capture (when asked) and, with ``swap_load='auto'`` on CUDA, prove the replayed load
-        (:mod:`.vllm_load_plan`); return what the engine needs to know."""
+        (:mod:`.vllm_load_plan`); on CUDA, make the GPU copy path ready
+        (:func:`~async_rl.weights.gpu.reader.copy_stream`); return what the engine needs to know."""
         from pathlib import Path
 
         from actors.generator.model_facts import read_model_facts
@@ -204,7 +205,17 @@ class ArlWorkerExtension:
             self._arl_routes = _RouteCapture(self.model_runner, model, dtype)  # type: ignore[attr-defined]
             info.update(num_layers=self._arl_routes.num_layers, top_k=self._arl_routes.top_k)
         info["load"], info["load_check_s"] = self._arl_prove_replay(model, Path(model_dir), swap_load)
+        if next(model.parameters()).device.type == "cuda":
+            self._arl_copy_path()  # the first copy's one-time costs now, outside any version's lease
         return info
+
+    def _arl_copy_path(self) -> tuple[Any, torch.cuda.Stream]:
+        """The mapper of the learner's buffers and the stream a same-host GPU version is copied on (made once)."""
+        from async_rl.weights.gpu.cuda_ipc import IpcMapper
+        from async_rl.weights.gpu.reader import copy_stream
+
+        self._arl_ipc = (IpcMapper(), copy_stream(torch.device("cuda", torch.cuda.current_device())))
+        return self._arl_ipc
 
     def _arl_prove_replay(self, model: torch.nn.Module, model_dir: Any, swap_load: str) -> tuple[str, float]:
         """``('replay', s)`` when the recorded load reproduces what vLLM loaded from ``model_dir``, else
@@ -290,16 +301,14 @@ class ArlWorkerExtension:
         tensor, into tensors the slot keeps (one version's memory a slot, plus the shared buckets, instead of the
         buckets and the assembled tensors each), assembled again in place for the next one. A version with any
         other tensor of its own (a conversion that had to copy) is converted, checked and bound again each time."""
-        from async_rl.weights.gpu.cuda_ipc import IpcMapper, IpcUnavailable
+        from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
         from async_rl.weights.gpu.reader import assemble, copy_buckets
         from async_rl.weights.manifest import Manifest
 
         t0 = time.perf_counter()
         m = Manifest.decode(manifest)
         device = torch.device("cuda", torch.cuda.current_device())
-        if self._arl_ipc is None:
-            self._arl_ipc = (IpcMapper(), torch.cuda.Stream(device=device))
-        mapper, stream = self._arl_ipc
+        mapper, stream = self._arl_ipc or self._arl_copy_path()
         staged = self._arl_staged
         newest = staged[max(staged)].slot if staged else None
         slot = 1 if newest == 0 else 0
