@@ -107,9 +107,13 @@ class ReaderConfig:
     prefetch_buckets: int = 1
     """Buckets requested ahead of the one being verified (transfer overlaps the checksum)."""
     gpu_lease_ttl_s: float = 2.0
-    """Lease on a GPU-held version while its buckets are copied over CUDA IPC (milliseconds of work): the learner
-    refills no leased slot, and a reader whose copy outlasts the lease discards it. Short, so that a reader killed
-    mid-copy holds a slot no longer than this."""
+    """Lease on a GPU-held version while its buckets are copied over CUDA IPC (milliseconds of work), renewed every
+    third of it while the copy is under way: the learner refills no leased slot, and a reader whose copy outlasts
+    the lease discards it. Short, so that a reader killed mid-copy holds a slot no longer than this."""
+    gpu_lease_max_s: float = 10.0
+    """How long a live reader may keep renewing its lease on a GPU-held version while its copy has not read the
+    learner's buffers yet (a vLLM worker starts it at its engine's next step boundary); a copy later than this is
+    discarded. It bounds how long one slow reader holds one of the learner's slots."""
     secret_file: str = ""
     """File holding the run secret: only versions whose manifest HMAC checks are applied. Empty:
     $ASYNC_RL_RUN_SECRET_FILE, else $ASYNC_RL_RUN_SECRET, else manifests are not checked."""
@@ -121,3 +125,6 @@ class ReaderConfig:
             raise ValueError("weights.reader.prefetch_buckets must be >= 0")
         if self.gpu_lease_ttl_s <= 0:
             raise ValueError("weight_sync.reader.gpu_lease_ttl_s must be > 0")
+        if self.gpu_lease_max_s < self.gpu_lease_ttl_s:
+            raise ValueError(f"weight_sync.reader.gpu_lease_max_s ({self.gpu_lease_max_s}) must be >= "
+                             f"gpu_lease_ttl_s ({self.gpu_lease_ttl_s})")  # fmt: skip

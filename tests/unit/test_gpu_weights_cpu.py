@@ -133,3 +133,5 @@ def test_gpu_path_settings_are_checked_and_named() -> None:
             PublisherConfig(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gpu_lease_ttl_s"):
         ReaderConfig(gpu_lease_ttl_s=0)
+    with pytest.raises(ValueError, match=r"gpu_lease_max_s \(1.0\) must be >= gpu_lease_ttl_s \(2.0\)"):
+        ReaderConfig(gpu_lease_max_s=1.0)

@@ -4,9 +4,10 @@
 :mod:`.gpu_publisher`), reads and checks its manifest (HMAC where the run has a secret), maps the learner's
 buckets (:mod:`.cuda_ipc`, once per buffer), copies each into a fresh buffer on the reader's own GPU on a side
 stream, computes every bucket's ``wsum64`` there, and waits once. A version whose checksums differ is
-:class:`~async_rl.weights.reader.CorruptVersion`; one whose copy ended after its lease may have been
-overwritten, so it is discarded (:class:`~async_rl.weights.reader.LeaseOutlasted`: the caller tries again, and a
-new lease is refused if the version is gone).
+:class:`~async_rl.weights.reader.CorruptVersion`; one whose copy read the buffers after its lease ended (renewed
+while the copy is under way, for a bounded time: :mod:`.lease`) may have been overwritten, so it is discarded
+(:class:`~async_rl.weights.reader.LeaseOutlasted`: the caller tries again, and a new lease is refused if the
+version is gone).
 The tensors it returns are views of the reader's buffers (pieces of several ranks assembled on the GPU), ready
 for :meth:`~actors.generator.engine.Engine.stage_weights`. With ``copy`` the copy is made elsewhere (a vLLM worker
 maps the learner's buffers itself, :func:`copy_buckets` there): this process takes the lease, checks the manifest
@@ -32,6 +33,7 @@ from async_rl.run.names import Names
 from async_rl.weights.config import ReaderConfig
 from async_rl.weights.gpu.checksum import ALIGN_BYTES, to_unsigned, wsum64
 from async_rl.weights.gpu.cuda_ipc import IpcMapper, IpcUnavailable, fast_thread_handoffs, host_key, local_device
+from async_rl.weights.gpu.lease import HeldLease
 from async_rl.weights.manifest import DTYPES, Manifest, ManifestTensor
 from async_rl.weights.reader import (
     CorruptVersion,
@@ -39,7 +41,6 @@ from async_rl.weights.reader import (
     LeaseOutlasted,
     VersionUnavailable,
     read_manifest,
-    take_lease,
 )
 from async_rl.weights.signing import run_secret
 
@@ -97,10 +98,10 @@ class GpuReader:
         last until the learner's buffers were read (:attr:`RemoteCopied.copied_at` with ``copy``)."""
         t0 = time.perf_counter()
         n = self.names
-        ttl_s = self.cfg.gpu_lease_ttl_s
-        leased_at = time.monotonic()
         key = n.weights_gpu_manifest(version)
-        if not await take_lease(self.redis, key, n.weights_gpu_readers(version), self.reader_id, ttl_s):
+        lease = HeldLease(self.redis, key, n.weights_gpu_readers(version), self.reader_id, self.cfg.gpu_lease_ttl_s,
+                          self.cfg.gpu_lease_max_s)  # fmt: skip
+        if not await lease.take():
             raise VersionUnavailable(f"GPU-held weights version {version} is gone (the learner reused its buffers)")
         try:
             manifest = await read_manifest(self.redis, key, version, self.hmac_key, "GPU-held weights version",
@@ -111,18 +112,21 @@ class GpuReader:
                 raise IpcUnavailable("the learner's GPU buffers are on another host (or network/IPC namespace)")
             t1 = time.perf_counter()
             buffers: list[torch.Tensor] = []
-            if copy is not None:
-                copied = await copy(manifest)
-                sums, now = copied.sums, time.monotonic()
-                # A time outside the lease's span is another clock's (a time namespace): now, to be safe.
-                copied_at = copied.copied_at if leased_at <= copied.copied_at <= now else now
-            else:
-                buffers, sums = await asyncio.to_thread(self._copy, manifest)
-                copied_at = time.monotonic()
+            async with lease.renewed():
+                if copy is not None:
+                    copied = await copy(manifest)
+                    sums, now = copied.sums, time.monotonic()
+                    # A time outside the lease's span is another clock's (a time namespace): now, to be safe.
+                    copied_at = copied.copied_at if lease.taken_at <= copied.copied_at <= now else now
+                else:
+                    buffers, sums = await asyncio.to_thread(self._copy, manifest)
+                    copied_at = time.monotonic()
             transfer_s = time.perf_counter() - t1
-            if copied_at - leased_at >= ttl_s:
-                raise LeaseOutlasted(f"GPU-held weights version {version}: the copy outlasted its {ttl_s}s lease "
-                                     "(the learner may have refilled the buffers); discarded")  # fmt: skip
+            if copied_at >= lease.until:
+                raise LeaseOutlasted(f"GPU-held weights version {version}: the copy read the learner's buffers "
+                                     f"{copied_at - lease.taken_at:.2f} s after its lease was taken, past the lease "
+                                     f"(gpu_lease_ttl_s={lease.ttl_s}, renewed for gpu_lease_max_s={lease.max_s} at "
+                                     "most; the learner may have refilled the buffers); discarded")  # fmt: skip
         finally:
             await self.redis.zrem(n.weights_gpu_readers(version), self.reader_id)
         for b, got in zip(manifest.buckets, sums, strict=True):
