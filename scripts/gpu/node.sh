@@ -33,6 +33,15 @@
 # (learner idle 0.33) while the generators idled 0.58.
 # The summary's generator_gpus_per_learner_gpu says how many generator GPUs one learner GPU keeps busy (docs/gpus.md):
 # 0.43 there, so NODE_GEN_DEVICES=cuda:2 (one generator for the two learner GPUs) is the split that run points to.
+# The generators take one learner step's prompts a batch (NODE_GEN_BATCH_PROMPTS=32) and run as many batches at once
+# as the staleness bound keeps steps in flight (NODE_GEN_BATCHES, default NODE_STALENESS), all decoding together
+# (vllm.max_num_seqs NODE_GEN_SEQS=1024: 4 x 32 prompts x 8 samples; moe-5b's KV cache is 24.6 KB a token, 3.4 GB for
+# all of them). A batch's groups are pushed when the whole batch is done: with vLLM's defaults (64 prompts a batch,
+# two at once, 256 sequences decoding) two steps' rollouts came at once, and the next batch could start only when a
+# version let new prompts in. On four H100s (node-h100x4-moe-5b-learner2-gen1-2026-11-27.json, one generator) the
+# learner waited 0.51 of the time and the generator idled 0.29: both idle, in turns. vLLM's own throughput line
+# (running and waiting requests, KV cache use) is logged every 5 s (vllm.engine_args.disable_log_stats=false) and
+# copied into node-process-logs.txt.
 # Every generator is on this node and takes versions over CUDA IPC, so the learner publishes no host copies
 # (publisher.gpu_host_copies=false): with them, rank 0 would keep a whole copy of the weights (10 GB) as the base of
 # the next delta and encode every version on its GPU, beside training.
@@ -55,15 +64,20 @@ timeout ${NODE_TIMEOUT:-540} python3 -m actors.commands bench loop --model "$mod
     --learner batching.micro_batch_tokens=${NODE_MICRO_BATCH_TOKENS:-65536} \
     --learner staleness.max_staleness=${NODE_STALENESS:-4} \
     --learner sampling.max_new_tokens=${NODE_NEW_TOKENS:-128} --generator vllm.stop_on_eos=false \
+    --generator vllm.max_batch_prompts=${NODE_GEN_BATCH_PROMPTS:-32} \
+    --generator batches_in_flight=${NODE_GEN_BATCHES:-${NODE_STALENESS:-4}} \
+    --generator vllm.max_num_seqs=${NODE_GEN_SEQS:-1024} --generator vllm.engine_args.disable_log_stats=false \
     --generator vllm.work_dir=/root/arl-presets \
     "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
 rc=$?
 tail -5 "$out/node.log"
 for f in "$run_dir"/*.log; do  # each log's first and last lines (start-up, then how it ended), the noise left out
-    grep -v " DEBUG \|main_grad.dtype\|vLLM engine: version\|warnings.warn" "$f" > /tmp/node-log-part
+    grep -v " DEBUG \|main_grad.dtype\|vLLM engine: version\|warnings.warn\|Avg generation throughput" "$f" \
+        > /tmp/node-log-part
     echo "== $f"; head -25 /tmp/node-log-part; echo "..."; tail -35 /tmp/node-log-part
 done > "$out/node-process-logs.txt"
 grep -h "vLLM engine: version" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
+grep -H "Avg generation throughput" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
 whole_tracebacks "$run_dir"/*.log >> "$out/node-process-logs.txt"
 tail -40 "$out/node-process-logs.txt"
 python3 - "$json" <<'PY' || true
