@@ -73,7 +73,7 @@ from async_rl.model.token_mask import MASKED_LOGIT, masked_token_ids
 from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
 from async_rl.weights.gpu.reader import RemoteCopied, RemoteCopy
 from async_rl.weights.manifest import Manifest
-from async_rl.weights.reader import CorruptVersion
+from async_rl.weights.reader import CopyFailed, CorruptVersion
 
 log = logging.getLogger(__name__)
 
@@ -323,12 +323,22 @@ class VLLMEngine(Engine):
         """Every worker maps the learner's buffers and copies the version onto its GPU (generation pauses for the
         copy's RPC, a few ms); returns the buckets' wsum64 (every rank's must agree) for the caller to check, and when
         the last rank had read the learner's buffers. A swap under way finishes first: the copy would land in the
-        staging slot of the version it loads."""
+        staging slot of the version it loads. A worker's error is :class:`CopyFailed` (the engine goes on with the
+        weights it has; a generator's weight sync tries again, then gives the version up); a dead engine's is
+        vLLM's own."""
         await self._ensure_ready()
         assert self._slots is not None
         async with self._slots:
             t0 = time.perf_counter()  # the copy's time, not the wait for a swap
-            results = await self._llm.collective_rpc("arl_copy_ipc", args=(manifest.encode(), manifest.version))
+            try:
+                results = await self._llm.collective_rpc("arl_copy_ipc", args=(manifest.encode(), manifest.version))
+            except Exception as exc:
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                if isinstance(exc, EngineDeadError):
+                    raise
+                raise CopyFailed(f"vLLM's worker could not copy GPU-held weights v{manifest.version}: "
+                                 f"{exc}") from exc  # fmt: skip
         for r in results:
             if "unavailable" in r:
                 raise IpcUnavailable(f"vLLM's worker cannot map the learner's GPU buffers: {r['unavailable']}")

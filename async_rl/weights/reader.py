@@ -78,6 +78,11 @@ class LeaseOutlasted(WeightsError):
     still be there (a new lease is refused if it is gone, :class:`VersionUnavailable`), so the caller tries again."""
 
 
+class CopyFailed(WeightsError):
+    """A copy made elsewhere (a vLLM worker's, :data:`~async_rl.weights.gpu.reader.RemoteCopy`) raised: tried again
+    like a transient error, then the version is given up; the engine keeps its weights and goes on."""
+
+
 class CorruptVersion(WeightsError):
     """A bucket's bytes do not match the manifest (size or checksum), or the manifest is malformed."""
 

@@ -385,6 +385,31 @@ async def test_bad_input_is_refused(engine: VLLMEngine, model_dirs: tuple[Path, 
         await engine.generate([np.array([], dtype=np.int32)], SamplingParams())
 
 
+@shared_loop
+async def test_a_copy_the_worker_cannot_make_is_reported_and_generation_goes_on(engine: VLLMEngine) -> None:
+    """A worker's copy of a GPU-held version that raises (here: a CPU worker has no CUDA to copy with) is the weight
+    sync's CopyFailed, which it retries and then gives up (before, vLLM's bare exception ended the generator); the
+    engine keeps its weights and generates."""
+    from async_rl.weights.gpu.cuda_ipc import IpcHandle, host_key
+    from async_rl.weights.gpu.slots import GpuSlots
+    from async_rl.weights.manifest import GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
+    from async_rl.weights.reader import CopyFailed, WeightsError
+    from async_rl.weights.snapshot import Piece
+
+    slots = GpuSlots("cpu", num_slots=2, bucket_bytes=2048)
+    tensors, buckets = slots.manifest_parts(slots.fill(0, 1, [Piece("model.norm.weight", torch.ones(64))]).wait())
+    handles = [IpcHandle("GPU-0", bytes(64), 1 << 20, 0, b"rc", 8, b"ev" * 32, True) for _ in buckets]
+    m = Manifest(version=engine.version + 1, tensors=tensors, buckets=buckets, transport=GPU_TRANSPORT,
+                 checksum=GPU_CHECKSUM, full_version=engine.version + 1, taken_at=time.time(),
+                 ipc=IpcPlacement(host_key(), handles))  # fmt: skip
+    before = engine.version
+    with pytest.raises(CopyFailed, match=rf"vLLM's worker could not copy GPU-held weights v{before + 1}: ") as info:
+        await engine._copy_gpu_version(m)
+    assert isinstance(info.value, WeightsError)  # the weight sync's retried kind
+    [[out]] = await engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4))
+    assert engine.version == before and len(out.token_ids) and set(out.versions.tolist()) == {before}
+
+
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="engine.kv_cache_mib"):
         VLLMEngineConfig(kv_cache_mib=-1)
