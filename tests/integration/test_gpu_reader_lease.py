@@ -18,12 +18,11 @@ import torch
 
 from async_rl.run.names import Names
 from async_rl.weights.config import ReaderConfig
-from async_rl.weights.gpu.cuda_ipc import IpcHandle, host_key
 from async_rl.weights.gpu.reader import GpuReader, RemoteCopied
-from async_rl.weights.gpu.slots import GpuSlots
-from async_rl.weights.manifest import GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
+from async_rl.weights.manifest import Manifest
 from async_rl.weights.reader import CorruptVersion, LeaseOutlasted
 from async_rl.weights.snapshot import Piece
+from tests.gpu_manifest import gpu_manifest
 
 TTL_S = 1.0
 """The reader's lease here (2 s by default): every copier below stays clear of it by half a second or more."""
@@ -36,17 +35,10 @@ def _config() -> ReaderConfig:
 
 
 async def _publish(redis: aioredis.Redis, names: Names, version: int) -> Manifest:
-    """A GPU version's manifest under ``names``, as the learner's publisher commits it (the buffers are not mapped:
-    the copier under test never maps them)."""
-    slots = GpuSlots("cpu", num_slots=2, bucket_bytes=2048)
+    """A GPU version's manifest under ``names``, as the learner's publisher commits it."""
     g = torch.Generator().manual_seed(version)
-    fill = slots.fill(0, version, [Piece("embed.weight", torch.randn(50, 16, generator=g)),
-                                   Piece("norm.weight", torch.randn(16, generator=g))])  # fmt: skip
-    tensors, buckets = slots.manifest_parts(fill.wait())
-    handles = [IpcHandle(f"GPU-{i}", bytes([i]) * 64, 1 << 20, 0, b"rc", 8, b"ev" * 32, True) for i in range(len(buckets))]
-    m = Manifest(version=version, tensors=tensors, buckets=buckets, transport=GPU_TRANSPORT, checksum=GPU_CHECKSUM,
-                 full_version=version, taken_at=time.time(), ipc=IpcPlacement(host_key(), handles))  # fmt: skip
-    m.validate()
+    m = gpu_manifest(version, [Piece("embed.weight", torch.randn(50, 16, generator=g)),
+                               Piece("norm.weight", torch.randn(16, generator=g))])  # fmt: skip
     await redis.set(names.weights_gpu_manifest(version), m.encode(None))
     return m
 

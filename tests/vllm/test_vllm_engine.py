@@ -390,19 +390,12 @@ async def test_a_copy_the_worker_cannot_make_is_reported_and_generation_goes_on(
     """A worker's copy of a GPU-held version that raises (here: a CPU worker has no CUDA to copy with) is the weight
     sync's CopyFailed, which it retries and then gives up (before, vLLM's bare exception ended the generator); the
     engine keeps its weights and generates."""
-    from async_rl.weights.gpu.cuda_ipc import IpcHandle, host_key
-    from async_rl.weights.gpu.slots import GpuSlots
-    from async_rl.weights.manifest import GPU_CHECKSUM, GPU_TRANSPORT, IpcPlacement, Manifest
     from async_rl.weights.reader import CopyFailed, WeightsError
     from async_rl.weights.snapshot import Piece
+    from tests.gpu_manifest import gpu_manifest
 
-    slots = GpuSlots("cpu", num_slots=2, bucket_bytes=2048)
-    tensors, buckets = slots.manifest_parts(slots.fill(0, 1, [Piece("model.norm.weight", torch.ones(64))]).wait())
-    handles = [IpcHandle("GPU-0", bytes(64), 1 << 20, 0, b"rc", 8, b"ev" * 32, True) for _ in buckets]
-    m = Manifest(version=engine.version + 1, tensors=tensors, buckets=buckets, transport=GPU_TRANSPORT,
-                 checksum=GPU_CHECKSUM, full_version=engine.version + 1, taken_at=time.time(),
-                 ipc=IpcPlacement(host_key(), handles))  # fmt: skip
     before = engine.version
+    m = gpu_manifest(before + 1, [Piece("model.norm.weight", torch.ones(64))])
     with pytest.raises(CopyFailed, match=rf"vLLM's worker could not copy GPU-held weights v{before + 1}: ") as info:
         await engine._copy_gpu_version(m)
     assert isinstance(info.value, WeightsError)  # the weight sync's retried kind

@@ -163,7 +163,7 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     before any lease: the table of this process's devices, the stream, the checksum's first kernels and its column
     multipliers. A vLLM worker's first copy of moe-5b took 0.65-0.98 s against 0.04 s for the next ones; taken
     inside a 2 s lease, such costs made a first version outlast it."""
-    local_device("")
+    local_device("")  # builds this process's table of devices (cached)
     stream = torch.cuda.Stream(device=device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         int(wsum64(torch.zeros(ALIGN_BYTES, dtype=torch.uint8, device=device)))
