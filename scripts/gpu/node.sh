@@ -35,8 +35,8 @@
 # 0.43 there, so NODE_GEN_DEVICES=cuda:2 (one generator for the two learner GPUs) is the split that run points to.
 # The generators take one learner step's prompts a batch (NODE_GEN_BATCH_PROMPTS=32) and run as many batches at once
 # as the staleness bound keeps steps in flight (NODE_GEN_BATCHES, default NODE_STALENESS), all decoding together
-# (vllm.max_num_seqs NODE_GEN_SEQS=1024: 4 x 32 prompts x 8 samples; moe-5b's KV cache is 24.6 KB a token, 3.4 GB for
-# all of them). A batch's groups are pushed when the whole batch is done: with vLLM's defaults (64 prompts a batch,
+# (vllm.max_num_seqs NODE_GEN_SEQS, default those batches' sequences: 4 x 32 prompts x 8 samples = 1024; moe-5b's KV
+# cache is 24.6 KB a token, 3.4 GB for all of them). A batch's groups are pushed when the whole batch is done: with vLLM's defaults (64 prompts a batch,
 # two at once, 256 sequences decoding) two steps' rollouts came at once, and the next batch could start only when a
 # version let new prompts in. On four H100s (node-h100x4-moe-5b-learner2-gen1-2026-11-27.json, one generator) the
 # learner waited 0.51 of the time and the generator idled 0.29: both idle, in turns. vLLM's own throughput line
@@ -58,15 +58,18 @@ extra=()  # NODE_LEARNER / NODE_GENERATOR: more overrides, space-separated key=v
 for kv in ${NODE_LEARNER:-}; do extra+=(--learner "$kv"); done
 for kv in ${NODE_GENERATOR:-}; do extra+=(--generator "$kv"); done
 json="$out/node-$gpu-$model-megatron-vllm-$day.json"
+staleness=${NODE_STALENESS:-4}
+batch_prompts=${NODE_GEN_BATCH_PROMPTS:-32}
+batches=${NODE_GEN_BATCHES:-$staleness}
+seqs=${NODE_GEN_SEQS:-$((batches * batch_prompts * 8))}  # 8: bench loop's sampling.n
 timeout ${NODE_TIMEOUT:-540} python3 -m actors.commands bench loop --model "$model" "${node[@]}" \
     --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8} \
     --learner megatron.lr=1e-5 --learner publisher.gpu_host_copies=false \
     --learner batching.micro_batch_tokens=${NODE_MICRO_BATCH_TOKENS:-65536} \
-    --learner staleness.max_staleness=${NODE_STALENESS:-4} \
+    --learner staleness.max_staleness=$staleness \
     --learner sampling.max_new_tokens=${NODE_NEW_TOKENS:-128} --generator vllm.stop_on_eos=false \
-    --generator vllm.max_batch_prompts=${NODE_GEN_BATCH_PROMPTS:-32} \
-    --generator batches_in_flight=${NODE_GEN_BATCHES:-${NODE_STALENESS:-4}} \
-    --generator vllm.max_num_seqs=${NODE_GEN_SEQS:-1024} --generator vllm.engine_args.disable_log_stats=false \
+    --generator vllm.max_batch_prompts=$batch_prompts --generator batches_in_flight=$batches \
+    --generator vllm.max_num_seqs=$seqs --generator vllm.engine_args.disable_log_stats=false \
     --generator vllm.work_dir=/root/arl-presets \
     "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
 rc=$?
