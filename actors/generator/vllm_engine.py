@@ -77,6 +77,9 @@ from async_rl.weights.reader import CopyFailed, CorruptVersion
 
 log = logging.getLogger(__name__)
 
+STATS_INTERVAL_S = 5.0
+"""How often vLLM's statistics are logged, where they are on (vLLM's own server logs them as often)."""
+
 
 class VLLMEngine(Engine):
     """vLLM's AsyncLLM with logprobs, per-token versions, routes and in-place weight swaps (see the module docstring)."""
@@ -88,6 +91,8 @@ class VLLMEngine(Engine):
     """'native', 'hooks' or 'off' (resolved from config.routes)."""
     prefix_caching: bool
     max_model_len: int
+    log_stats: bool
+    """vLLM's statistics are on (``vllm.engine_args.disable_log_stats=false``): logged every ``STATS_INTERVAL_S``."""
     last_swap_pause_s: float
     """Time generation stood still for the last swap (pause, in-place load, relabel, resume)."""
     last_stage_s: float
@@ -186,6 +191,7 @@ class VLLMEngine(Engine):
         self.route_mode = args.route_mode
         self.prefix_caching = args.prefix_caching
         self.max_model_len = args.max_model_len
+        self.log_stats = not args.engine_args.disable_log_stats
         t0 = time.perf_counter()
         self._llm = AsyncLLM.from_engine_args(args.engine_args)
         log.info(
@@ -235,6 +241,10 @@ class VLLMEngine(Engine):
                 )
         assert self._loop is not None and self._wake is not None
         self._swapper = self._loop.create_task(self._swap_loop(), name="vllm-weight-swap")
+        if self.log_stats:  # AsyncLLM only gathers them: vLLM's server is what logs them, every few seconds
+            stats = self._loop.create_task(self._stats_loop(), name="vllm-stats-log")
+            self._cleanup.add(stats)
+            stats.add_done_callback(self._cleanup.discard)
         with self._lock:
             if self._pending is not None:
                 self._wake.set()
@@ -424,6 +434,13 @@ class VLLMEngine(Engine):
         c = final.outputs[0]
         native = self.facts if self.route_mode == "native" else None
         return completion(c, self._labels.spans(rid, c), self._version, native, rid)
+
+    async def _stats_loop(self) -> None:
+        """vLLM's throughput line (running and waiting requests, tokens/s, KV cache use) every
+        ``STATS_INTERVAL_S``, when ``vllm.engine_args.disable_log_stats=false`` asks for vLLM's statistics."""
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            await self._llm.do_log_stats()
 
     async def _take_routes(self, ids: list[str]) -> dict[str, np.ndarray]:
         got = await self._llm.collective_rpc("arl_take_routes", args=(ids,))

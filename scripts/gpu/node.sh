@@ -33,15 +33,19 @@
 # (learner idle 0.33) while the generators idled 0.58.
 # The summary's generator_gpus_per_learner_gpu says how many generator GPUs one learner GPU keeps busy (docs/gpus.md):
 # 0.43 there, so NODE_GEN_DEVICES=cuda:2 (one generator for the two learner GPUs) is the split that run points to.
-# The generators take one learner step's prompts a batch (NODE_GEN_BATCH_PROMPTS=32) and run as many batches at once
-# as the staleness bound keeps steps in flight (NODE_GEN_BATCHES, default NODE_STALENESS), all decoding together
-# (vllm.max_num_seqs NODE_GEN_SEQS, default those batches' sequences: 4 x 32 prompts x 8 samples = 1024; moe-5b's KV
-# cache is 24.6 KB a token, 3.4 GB for all of them). A batch's groups are pushed when the whole batch is done: with vLLM's defaults (64 prompts a batch,
-# two at once, 256 sequences decoding) two steps' rollouts came at once, and the next batch could start only when a
-# version let new prompts in. On four H100s (node-h100x4-moe-5b-learner2-gen1-2026-11-27.json, one generator) the
-# learner waited 0.51 of the time and the generator idled 0.29: both idle, in turns. vLLM's own throughput line
-# (running and waiting requests, KV cache use) is logged every 5 s (vllm.engine_args.disable_log_stats=false) and
-# copied into node-process-logs.txt.
+# The generators take half a learner step's prompts a batch (NODE_GEN_BATCH_PROMPTS=16) and run up to NODE_GEN_BATCHES=4
+# batches at once, all decoding together (vllm.max_num_seqs NODE_GEN_SEQS, default those batches' sequences: 4 x 16
+# prompts x 8 samples = 512, the largest batch vLLM 0.25 captures CUDA graphs for; past it every step runs eagerly).
+# Small batches keep a generator busy and the learner fed: a batch's 128 decoding steps last longer than a learner
+# step, so while the learner trains one step the next steps' batches are decoding. Their groups are pushed when their
+# batch is done. With vLLM's defaults (64 prompts a batch, two at once, 256 sequences decoding) two steps' rollouts
+# came at once and the next batch could start only when a version let new prompts in: on four H100s
+# (node-h100x4-moe-5b-learner2-gen1-2026-11-27.json, one generator) the learner waited 0.51 of the time and the
+# generator idled 0.29, in turns. With 32-prompt batches, four at once and 1024 sequences (four H200s,
+# node-h200x4-moe-5b-learner2-gen1-1024seqs-2026-11-27.json) vLLM ran past its graphs: 16,400 tokens/s, groups
+# dropped over the staleness bound, the learner waiting 0.58. vLLM's own throughput line (running and waiting
+# requests, KV cache use) is logged every 5 s (vllm.engine_args.disable_log_stats=false) and copied into
+# node-process-logs.txt.
 # Every generator is on this node and takes versions over CUDA IPC, so the learner publishes no host copies
 # (publisher.gpu_host_copies=false): with them, rank 0 would keep a whole copy of the weights (10 GB) as the base of
 # the next delta and encode every version on its GPU, beside training.
@@ -59,8 +63,8 @@ for kv in ${NODE_LEARNER:-}; do extra+=(--learner "$kv"); done
 for kv in ${NODE_GENERATOR:-}; do extra+=(--generator "$kv"); done
 json="$out/node-$gpu-$model-megatron-vllm-$day.json"
 staleness=${NODE_STALENESS:-4}
-batch_prompts=${NODE_GEN_BATCH_PROMPTS:-32}
-batches=${NODE_GEN_BATCHES:-$staleness}
+batch_prompts=${NODE_GEN_BATCH_PROMPTS:-16}
+batches=${NODE_GEN_BATCHES:-4}
 seqs=${NODE_GEN_SEQS:-$((batches * batch_prompts * 8))}  # 8: bench loop's sampling.n
 timeout ${NODE_TIMEOUT:-540} python3 -m actors.commands bench loop --model "$model" "${node[@]}" \
     --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8} \
