@@ -31,21 +31,21 @@
 # every other step. On four H200s (S=2, node-h200x4-moe-5b-learner2-gen2-2026-11-27.json) 64 prompts in flight
 # were 2.2 s of training against 2.5-2.9 s for a batch's 128 decoding steps: steps alternated 1.1 s and 2.7 s
 # (learner idle 0.33) while the generators idled 0.58.
-# The summary's generator_gpus_per_learner_gpu says how many generator GPUs one learner GPU keeps busy (docs/gpus.md):
-# 0.43 there, so NODE_GEN_DEVICES=cuda:2 (one generator for the two learner GPUs) is the split that run points to.
+# The summary's generator_gpus_per_learner_gpu says how many generator GPUs one learner GPU keeps busy (docs/gpus.md).
+# It said 0.43 there, from a generator rate that counted only the heartbeats a batch ended in (fixed since: the mean
+# over every heartbeat); one generator for the two learner GPUs (NODE_GEN_DEVICES=cuda:2) left the learner waiting.
 # The generators take half a learner step's prompts a batch (NODE_GEN_BATCH_PROMPTS=16) and run up to NODE_GEN_BATCHES=4
 # batches at once, all decoding together (vllm.max_num_seqs NODE_GEN_SEQS, default those batches' sequences: 4 x 16
 # prompts x 8 samples = 512, the largest batch vLLM 0.25 captures CUDA graphs for; past it every step runs eagerly).
-# Small batches keep a generator busy and the learner fed: a batch's 128 decoding steps last longer than a learner
-# step, so while the learner trains one step the next steps' batches are decoding. Their groups are pushed when their
-# batch is done. With vLLM's defaults (64 prompts a batch, two at once, 256 sequences decoding) two steps' rollouts
-# came at once and the next batch could start only when a version let new prompts in: on four H100s
-# (node-h100x4-moe-5b-learner2-gen1-2026-11-27.json, one generator) the learner waited 0.51 of the time and the
-# generator idled 0.29, in turns. With 32-prompt batches, four at once and 1024 sequences (four H200s,
-# node-h200x4-moe-5b-learner2-gen1-1024seqs-2026-11-27.json) vLLM ran past its graphs: 16,400 tokens/s, groups
-# dropped over the staleness bound, the learner waiting 0.58. vLLM's own throughput line (running and waiting
-# requests, KV cache use) is logged every 5 s (vllm.engine_args.disable_log_stats=false) and copied into
-# node-process-logs.txt.
+# Their groups are pushed when their batch is done. With vLLM's defaults (64 prompts a batch, two at once, 256
+# sequences decoding) two steps' rollouts came at once (node-h100x4-moe-5b-learner2-gen1-2026-11-27.json, one
+# generator: learner idle 0.51, generator 0.29). With 1024 sequences (four H200s,
+# node-h200x4-moe-5b-learner2-gen1-1024seqs-2026-11-27.json) vLLM ran past its graphs: the learner waited 0.58. With
+# 512 and one generator (node-h100x4-moe-5b-learner2-gen1-512seqs-2026-11-27.json) the learner waited 0.55: one H100
+# generates 11-15k tokens/s of moe-5b at 128 to 512 sequences, the two learner GPUs train ~29k. With two generators
+# (node-h100x4-moe-5b-learner2-gen2-2026-11-27.json) the learner waited 0.15 and the generators idled 0.41.
+# vLLM's own throughput line (running and waiting requests, KV cache use) is logged every 5 s
+# (vllm.engine_args.disable_log_stats=false) and copied into node-process-logs.txt.
 # Every generator is on this node and takes versions over CUDA IPC, so the learner publishes no host copies
 # (publisher.gpu_host_copies=false): with them, rank 0 would keep a whole copy of the weights (10 GB) as the base of
 # the next delta and encode every version on its GPU, beside training.

@@ -149,3 +149,16 @@ def test_bench_async_writes_its_json_after_each_run_for_a_call_cut_short(tmp_pat
     (tmp_path / "kept.json").write_text(json.dumps(partial))
     assert sync_vs_async.main([*argv, "--reuse", str(tmp_path / "kept.json")]) == 0
     assert json.loads(out.read_text())["best_async_vs_sync"] == 0.5625
+
+
+def test_generator_rate_averages_every_beat_of_each_generator_the_empty_ones_too() -> None:
+    from async_rl.servers.control import Heartbeat
+
+    def beat(gen: str, rate: float) -> Heartbeat:
+        return Heartbeat(generator_id=gen, tokens_per_s=rate)
+
+    # a batch ends in one beat of four: the beats that saw tokens say 4000, the generator made 1000 a second
+    beats = [beat("a", r) for r in (0.0, 0.0, 4000.0, 0.0)] + [beat("b", r) for r in (500.0, 1500.0)]
+    assert loop.generator_rate(beats) == 1000.0 + 1000.0
+    assert loop.generator_rate([beat("a", 0.0)]) is None
+    assert loop.generator_rate([]) is None

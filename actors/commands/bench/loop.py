@@ -272,20 +272,26 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
     pause = pause or [b.swap_pause_ms for b in live if b.swap_pause_ms > 0]  # else the last one at each beat
     out["generator_fetch_s"] = med(fetch) if fetch else None
     out["swap_pause_ms"] = med(pause) if pause else None
-    latest: dict[str, Any] = {}
-    rates: dict[str, list[float]] = {}
-    for b in live:
-        latest[b.generator_id] = b
-        if b.tokens_per_s > 0:
-            rates.setdefault(b.generator_id, []).append(b.tokens_per_s)
-    out["generator_tokens_per_s"] = sum(med(r) for r in rates.values()) if rates else None
+    latest = {b.generator_id: b for b in live}
     steady_beats = [b for b in beats if start is None or b.sent_at >= start]
+    out["generator_tokens_per_s"] = generator_rate([b for b in steady_beats if b.version >= 0] or live)
     out["version_to_applied_s"] = version_to_applied(steady_beats)
     out["version_to_staged_s"] = _latencies(steady_beats, "staged_latency_s")
     out["standby_load_s"] = _latencies(steady_beats, "standby_load_s")
     out["swap_wait_s"] = _latencies(steady_beats, "swap_wait_s")
     out["generators_seen"] = sorted(latest)
     return out
+
+
+def generator_rate(beats: list[Any]) -> float | None:
+    """The generators' tokens/s together: each one's mean over its heartbeats, the beats with no tokens included.
+    A beat's rate covers the interval since the one before, and tokens arrive a batch at a time: the median of the
+    beats that saw some (as before) counted only the intervals a batch ended in: 1.4-2.5x the tokens vLLM logged on four H100s."""
+    per: dict[str, list[float]] = {}
+    for b in beats:
+        per.setdefault(b.generator_id, []).append(b.tokens_per_s)
+    rates = [statistics.fmean(r) for r in per.values()]
+    return sum(rates) if rates and any(rates) else None
 
 
 def _quantile(values: list[float], q: float) -> float:
