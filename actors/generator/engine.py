@@ -12,7 +12,7 @@ its buckets are still arriving (:meth:`Engine.open_stage`), so that copying one 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,6 +97,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions for each prompt, in prompt order."""
+
+    async def generate_each(self, prompts: Sequence[np.ndarray], params: SamplingParams,
+                            on_done: Callable[[int, list[Completion]], None]) -> None:  # fmt: skip
+        """:meth:`generate`, handing each prompt's ``params.n`` completions to ``on_done(index, completions)`` as soon
+        as they are all done, in the order they finish; returns once every prompt's were handed over. Engines that
+        batch continuously (vLLM) finish prompts at different times: a generator pushes each group then, instead of
+        holding the batch's first groups until its longest sample ends. Here (the torch engine: one batch at a
+        time) all of them at the end, in prompt order."""
+        for i, completions in enumerate(await self.generate(prompts, params)):
+            on_done(i, completions)
 
     @abc.abstractmethod
     def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:

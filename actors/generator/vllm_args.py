@@ -14,16 +14,38 @@ Decided here, before any vLLM process starts, so that a bad combination fails at
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from actors.generator.config import VLLMEngineConfig
 from actors.generator.model_facts import ModelFacts
+from async_rl.model.presets import is_preset, save_pretrained_dir, shared_preset_dir
 
 WORKER_EXTENSION = "actors.generator.vllm_worker.ArlWorkerExtension"
 """Qualified name of the worker extension vLLM mixes into its worker."""
 DEFAULT_CPU_KV_CACHE_MIB = 1024
 """KV cache on CPU when none is configured: vLLM's own CPU sizing reserves 92% of the node's memory."""
+
+
+def model_dir(config: VLLMEngineConfig) -> tuple[Path, Path | None]:
+    """The Hugging Face directory vLLM loads, and the temporary directory to remove at close (None: nothing to
+    remove). A preset is written once into ``work_dir``, shared by whichever generator comes first, else into a
+    temporary directory of this engine's own."""
+    m = config.model
+    if not is_preset(m.name):
+        return Path(m.name), None
+    if config.work_dir:
+        return shared_preset_dir(Path(config.work_dir) / f"{m.name}-seed{m.seed}-{m.dtype}", preset=m.name,
+                                 seed=m.seed, dtype=m.dtype), None  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="arl-vllm-"))
+    try:
+        return save_pretrained_dir(tmp / m.name, preset=m.name, seed=m.seed, dtype=m.dtype), tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @dataclass(frozen=True, slots=True)

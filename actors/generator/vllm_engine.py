@@ -42,11 +42,10 @@ import contextlib
 import itertools
 import logging
 import shutil
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +55,7 @@ import torch
 from actors.generator.config import VLLMEngineConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.model_facts import ModelFacts, read_model_facts
-from actors.generator.vllm_args import build_vllm_args
+from actors.generator.vllm_args import build_vllm_args, model_dir
 from actors.generator.vllm_compat import (
     EngineLabels,
     FrontLabels,
@@ -67,13 +66,12 @@ from actors.generator.vllm_compat import (
 from actors.generator.vllm_outputs import completion, trim_routes
 from actors.generator.vllm_requests import check_prompts, request_params
 from actors.generator.vllm_weights import CheckpointWeights
+from actors.generator.vllm_worker_copies import copies_agree
 from actors.generator.weight_handover import pack_weights
-from async_rl.model.presets import is_preset, save_pretrained_dir, shared_preset_dir
 from async_rl.model.token_mask import MASKED_LOGIT, masked_token_ids
-from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
 from async_rl.weights.gpu.reader import RemoteCopied, RemoteCopy
 from async_rl.weights.manifest import Manifest
-from async_rl.weights.reader import CopyFailed, CorruptVersion
+from async_rl.weights.reader import CopyFailed
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +160,8 @@ class VLLMEngine(Engine):
         self.last_stage_error = None
         self.swap_load = "reload: not set up yet"
         try:
-            self.facts = read_model_facts(self._model_dir(config))
+            directory, self._tmp_dir = model_dir(config)
+            self.facts = read_model_facts(directory)
             self._weights = CheckpointWeights(self.facts)
             self._logit_bias = {i: MASKED_LOGIT for i in masked_token_ids(config.model.name)}
             self._start()
@@ -171,16 +170,6 @@ class VLLMEngine(Engine):
             raise
 
     # ---------------------------------------------------------------- start-up
-
-    def _model_dir(self, config: VLLMEngineConfig) -> Path:
-        m = config.model
-        if not is_preset(m.name):
-            return Path(m.name)
-        if config.work_dir:  # shared: written once, by whichever generator comes first
-            return shared_preset_dir(Path(config.work_dir) / f"{m.name}-seed{m.seed}-{m.dtype}", preset=m.name,
-                                     seed=m.seed, dtype=m.dtype)  # fmt: skip
-        self._tmp_dir = Path(tempfile.mkdtemp(prefix="arl-vllm-"))
-        return save_pretrained_dir(self._tmp_dir / m.name, preset=m.name, seed=m.seed, dtype=m.dtype)
 
     def _start(self) -> None:
         from vllm.platforms import current_platform
@@ -194,12 +183,8 @@ class VLLMEngine(Engine):
         self.log_stats = not args.engine_args.disable_log_stats
         t0 = time.perf_counter()
         self._llm = AsyncLLM.from_engine_args(args.engine_args)
-        log.info(
-            "vLLM engine up in %.1f s (model %s, routes %s)",
-            time.perf_counter() - t0,
-            self.facts.directory,
-            self.route_mode,
-        )
+        log.info("vLLM engine up in %.1f s (model %s, routes %s)", time.perf_counter() - t0, self.facts.directory,
+                 self.route_mode)  # fmt: skip
 
     async def _ensure_ready(self) -> None:
         """Bind to the running loop on first use; set up the worker extension and the swap task once."""
@@ -269,6 +254,14 @@ class VLLMEngine(Engine):
         return len(self.facts.moe_layer_ids)
 
     async def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[list[Completion]]:
+        out: dict[int, list[Completion]] = {}
+        await self.generate_each(prompts, params, out.__setitem__)
+        return [out[p] for p in range(len(out))]
+
+    async def generate_each(self, prompts: Sequence[np.ndarray], params: SamplingParams,
+                            on_done: Callable[[int, list[Completion]], None]) -> None:  # fmt: skip
+        """Every sample is a request of its own; a prompt's ``n`` go to ``on_done`` once all of them ended (with their
+        routes, in the hooks mode), while the batch's other prompts go on decoding. A failure cancels the rest."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if self._closed:
@@ -276,16 +269,23 @@ class VLLMEngine(Engine):
         rows = check_prompts(prompts, self.facts.vocab_size, self.max_model_len)
         await self._ensure_ready()
         call = next(self._ids)
-        ids = [f"arl{self._uid}c{call}p{p}s{i}" for p in range(len(rows)) for i in range(params.n)]
+        async with asyncio.TaskGroup() as tg:
+            for p, prompt in enumerate(rows):
+                tg.create_task(self._prompt(f"arl{self._uid}c{call}p{p}", p, prompt, params, on_done))
+
+    async def _prompt(self, prefix: str, p: int, prompt: np.ndarray, params: SamplingParams,
+                      on_done: Callable[[int, list[Completion]], None]) -> None:  # fmt: skip
+        """The ``params.n`` samples of prompt ``p`` (sample ``i`` seeded ``seed + p * n + i``, as one call of the
+        whole batch numbers them), handed to ``on_done``."""
+        ids = [f"{prefix}s{i}" for i in range(params.n)]
         requests = []
-        for j, rid in enumerate(ids):
-            prompt = rows[j // params.n]
-            seed = None if params.seed is None else params.seed + j
+        for i, rid in enumerate(ids):
+            seed = None if params.seed is None else params.seed + p * params.n + i
             sp = request_params(params, prompt_len=prompt.size, max_model_len=self.max_model_len, seed=seed,
                                 stop_on_eos=self.config.stop_on_eos, logit_bias=self._logit_bias)
             requests.append(self._one(rid, prompt, sp))
         try:
-            flat = list(await asyncio.gather(*requests))
+            completions = list(await asyncio.gather(*requests))
             routes = await self._take_routes(ids) if self.route_mode == "hooks" else {}
         except BaseException:
             if self.route_mode == "hooks":
@@ -294,12 +294,10 @@ class VLLMEngine(Engine):
                 self._cleanup.add(task)
                 task.add_done_callback(self._cleanup.discard)
             raise
-        out: list[Completion] = []
-        for j, (rid, comp) in enumerate(zip(ids, flat, strict=True)):
-            if self.route_mode == "hooks":
-                comp.routes = trim_routes(routes.get(rid), self.facts, rows[j // params.n].size, comp.token_ids.size)
-            out.append(comp)
-        return [out[p * params.n : (p + 1) * params.n] for p in range(len(rows))]
+        if self.route_mode == "hooks":
+            for rid, comp in zip(ids, completions, strict=True):
+                comp.routes = trim_routes(routes.get(rid), self.facts, prompt.size, comp.token_ids.size)
+        on_done(p, completions)
 
     def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Check names/shapes now (ValueError); ship, pause, load in place and resume in the background.
@@ -349,21 +347,13 @@ class VLLMEngine(Engine):
                     raise
                 raise CopyFailed(f"vLLM's worker could not copy GPU-held weights v{manifest.version}: "
                                  f"{exc}") from exc  # fmt: skip
-        for r in results:
-            if "unavailable" in r:
-                raise IpcUnavailable(f"vLLM's worker cannot map the learner's GPU buffers: {r['unavailable']}")
-        sums = [int(x) for x in results[0]["sums"]]
-        for rank, r in enumerate(results[1:], 1):
-            if [int(x) for x in r["sums"]] != sums:
-                raise CorruptVersion(f"GPU-held weights v{manifest.version}: tensor-parallel rank {rank} copied "
-                                     "other bytes than rank 0")  # fmt: skip
+        copied = copies_agree(results, manifest.version)
         self.last_stage_s = time.perf_counter() - t0
-        copied_at = max(float(r["copied_at"]) for r in results)
         r = results[0]
         log.info("vLLM engine: version %d copied from the learner's GPU in %.3f s (in the worker %.3f: copy and "
                  "checksums %.3f, views %.3f; loads by %s)", manifest.version, self.last_stage_s, r["s"], r["copy_s"],
                  r["prepare_s"], r["load"])  # fmt: skip
-        return RemoteCopied(sums, copied_at)
+        return copied
 
     def stage_copied(self, version: int) -> None:
         """Swap in a version the workers copied and the caller verified (:meth:`gpu_copier`)."""
@@ -436,8 +426,7 @@ class VLLMEngine(Engine):
         return completion(c, self._labels.spans(rid, c), self._version, native, rid)
 
     async def _stats_loop(self) -> None:
-        """vLLM's throughput line (running and waiting requests, tokens/s, KV cache use) every
-        ``STATS_INTERVAL_S``, when ``vllm.engine_args.disable_log_stats=false`` asks for vLLM's statistics."""
+        """vLLM's throughput line (running and waiting requests, tokens/s, KV cache use), when ``log_stats``."""
         while True:
             await asyncio.sleep(STATS_INTERVAL_S)
             await self._llm.do_log_stats()
@@ -499,10 +488,8 @@ class VLLMEngine(Engine):
         assert self._applied is not None
         applied, self._applied = self._applied, asyncio.Event()
         applied.set()
-        log.info(
-            "vLLM engine: version %d in use (staged in %.3f s, paused %.3f s, of which the in-place load %.3f s)",
-            version, t1 - t0, t2 - t1, load_s,
-        )  # fmt: skip
+        log.info("vLLM engine: version %d in use (staged in %.3f s, paused %.3f s, of which the in-place load %.3f s)",
+                 version, t1 - t0, t2 - t1, load_s)  # fmt: skip
 
     def _remove_tmp(self) -> None:
         if self._tmp_dir is not None:

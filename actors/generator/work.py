@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -154,7 +155,9 @@ class Work:
                 batch.add_done_callback(running.discard)
 
     async def _process(self, entries: list[PromptEntry], prompts: PromptQueue, writer: RolloutWriter) -> None:
-        """Generate, score and push every entry, acking each prompt right after its group is pushed."""
+        """Generate, score and push every entry, each group as soon as its samples are done (the engine's
+        :meth:`~actors.generator.engine.Engine.generate_each`), acking each prompt right after its push. An abort
+        stops the generation, not a push under way."""
         by_params: dict[Sampling, list[PromptEntry]] = defaultdict(list)
         for e in entries:
             by_params[self._sampling(e)].append(e)
@@ -162,29 +165,59 @@ class Work:
             params = SamplingParams(n=sp.n, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
                                     top_p=sp.top_p, top_k=sp.top_k, mask_special_tokens=sp.mask_special_tokens)  # fmt: skip
             t0 = time.time()
-            gen = asyncio.ensure_future(self._generate(group, params))
+            done: asyncio.Queue[tuple[int, ScoredGroup] | None] = asyncio.Queue()
+            gen = asyncio.ensure_future(self._generate_into(group, params, done))
             abort = asyncio.ensure_future(self._abort_event.wait())
-            done, _ = await asyncio.wait({gen, abort}, return_when=asyncio.FIRST_COMPLETED)
-            if gen not in done:
-                gen.cancel()
-                await asyncio.gather(gen, return_exceptions=True)  # its outcome no longer matters
-                return  # held prompts are released by close()
-            abort.cancel()
-            results = gen.result()
-            gen_s = time.time() - t0
-            for entry, scored in zip(group, results, strict=True):
-                samples = scored.samples
-                if scored.failed:  # the task's code raised on it: the dead letters, with the error, and go on
-                    await asyncio.shield(self._dead_letter(prompts, entry, scored))
-                else:
-                    await writer.append(self._record(entry, samples, gen_s))
-                    await asyncio.shield(prompts.ack([entry]))
-                self._held = [h for h in self._held if h.entry_id != entry.entry_id]
-                self.num_prompts += 1
-                num_tokens = sum(int(s.response_ids.size) for s in samples)
-                self.num_tokens += num_tokens
-                self._metrics.generated(1, num_tokens)
-                self._scoring.judge(scored)  # every sample of too many groups in a row failed: ScoringFailed
+            try:
+                while (item := await self._next_or_abort(done, abort)) is not None:
+                    i, scored = item
+                    await self._push(group[i], scored, prompts, writer, time.time() - t0)
+            finally:
+                abort.cancel()
+                if not gen.done():  # aborted: its outcome no longer matters; held prompts are released by close()
+                    gen.cancel()
+                    await asyncio.gather(gen, return_exceptions=True)
+            if abort.done() and not abort.cancelled():
+                return
+            gen.result()  # the generation's error, if it raised
+
+    async def _generate_into(self, group: list[PromptEntry], params: SamplingParams,
+                             done: asyncio.Queue[tuple[int, ScoredGroup] | None]) -> None:  # fmt: skip
+        """:meth:`_generate_each` into ``done``, then None (also when it raised)."""
+        try:
+            await self._generate_each(group, params, lambda i, scored: done.put_nowait((i, scored)))
+        finally:
+            done.put_nowait(None)
+
+    @staticmethod
+    async def _next_or_abort(done: asyncio.Queue, abort: asyncio.Future) -> Any:
+        """The next finished group (None: the generation ended), or None once aborted."""
+        if not done.empty():
+            return done.get_nowait()
+        getter = asyncio.ensure_future(done.get())
+        try:
+            await asyncio.wait({getter, abort}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        return getter.result() if getter.done() and not getter.cancelled() else None
+
+    async def _push(self, entry: PromptEntry, scored: ScoredGroup, prompts: PromptQueue, writer: RolloutWriter,
+                    gen_s: float) -> None:  # fmt: skip
+        """One group to the rollout stream and its prompt acked (or, where the task's code raised on it, to the dead
+        letters)."""
+        samples = scored.samples
+        if scored.failed:  # the task's code raised on it: the dead letters, with the error, and go on
+            await asyncio.shield(self._dead_letter(prompts, entry, scored))
+        else:
+            await writer.append(self._record(entry, samples, gen_s))
+            await asyncio.shield(prompts.ack([entry]))
+        self._held = [h for h in self._held if h.entry_id != entry.entry_id]
+        self.num_prompts += 1
+        num_tokens = sum(int(s.response_ids.size) for s in samples)
+        self.num_tokens += num_tokens
+        self._metrics.generated(1, num_tokens)
+        self._scoring.judge(scored)  # every sample of too many groups in a row failed: ScoringFailed
 
     async def _dead_letter(self, prompts: PromptQueue, entry: PromptEntry, scored: ScoredGroup) -> None:
         assert scored.first_error is not None
@@ -239,9 +272,17 @@ class Work:
         await engine.wait_applied(wanted, wait_s)
 
     async def _generate(self, group: list[PromptEntry], params: SamplingParams) -> list[ScoredGroup]:
-        """The group's scored samples; first, in synchronous mode, the weight version its prompts ask for (the
-        weight sync task fetches it; an abort cancels the wait with the generation). An environment task runs one
-        episode per sample (:mod:`actors.generator.episodes`), all of them at once."""
+        """The group's scored samples, in the group's order (:meth:`_generate_each`, all of them at the end)."""
+        out: dict[int, ScoredGroup] = {}
+        await self._generate_each(group, params, out.__setitem__)
+        return [out[i] for i in range(len(group))]
+
+    async def _generate_each(self, group: list[PromptEntry], params: SamplingParams,
+                             on_done: Callable[[int, ScoredGroup], None]) -> None:  # fmt: skip
+        """Each prompt's scored samples to ``on_done(index, scored)`` as soon as they are done; first, in synchronous
+        mode, the weight version its prompts ask for (the weight sync task fetches it; an abort cancels the wait
+        with the generation). An environment task runs one episode per sample (:mod:`actors.generator.episodes`),
+        all of them at once."""
         assert self._engine is not None and self._task is not None
         need = max(e.spec.min_version for e in group)
         t0 = time.monotonic()
@@ -251,20 +292,26 @@ class Work:
             await self._fresh_weights()
         finally:
             self.version_wait_s += time.monotonic() - t0
-        self._busy.enter()
         engine, owners = self._engine, [self._task.task_for(e.spec.metadata) for e in group]  # a mixture's members
         single = [i for i, t in enumerate(owners) if not isinstance(t, EnvTask)]  # the rest run episodes
+
+        def scored(k: int, completions: list[Any]) -> None:
+            i = single[k]
+            on_done(i, self._scoring.score(owners[i], group[i].spec.metadata, completions))
+
+        async def episodes(i: int) -> None:
+            on_done(i, await self._episodes(engine, owners[i], group[i], params))  # type: ignore[arg-type]
+
+        self._busy.enter()
         try:
-            outcome: list[Any] = await asyncio.gather(
-                engine.generate([group[i].spec.prompt_ids for i in single], params) if single else asyncio.sleep(0, []),
-                *(self._episodes(engine, t, e, params) for e, t in zip(group, owners, strict=True)
-                  if isinstance(t, EnvTask)))  # fmt: skip
+            async with asyncio.TaskGroup() as tg:
+                if single:
+                    tg.create_task(engine.generate_each([group[i].spec.prompt_ids for i in single], params, scored))
+                for i, t in enumerate(owners):
+                    if isinstance(t, EnvTask):
+                        tg.create_task(episodes(i))
         finally:
             self._busy.leave()
-        scored = (self._scoring.score(owners[i], group[i].spec.metadata, c)
-                  for i, c in zip(single, outcome[0], strict=True))  # fmt: skip
-        played = iter(outcome[1:])  # the episodes' groups, in order
-        return [next(played) if isinstance(t, EnvTask) else next(scored) for t in owners]
 
     async def _episodes(self, engine: Engine, task: EnvTask, entry: PromptEntry, params: SamplingParams) -> ScoredGroup:
         errors: list[BaseException] = []

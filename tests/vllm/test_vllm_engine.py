@@ -386,6 +386,20 @@ async def test_bad_input_is_refused(engine: VLLMEngine, model_dirs: tuple[Path, 
 
 
 @shared_loop
+async def test_each_prompt_is_handed_over_when_its_own_samples_end(engine: VLLMEngine) -> None:
+    """generate_each: a prompt whose samples end early is handed over while the batch's others still decode (the
+    generator pushes its group then), and generate keeps prompt order. The second prompt fills the context but for
+    two tokens, so its samples stop at 2 (length) while the first one's run to 24."""
+    long = np.array([1] + [4 + i % 18 for i in range(252)] + [9], dtype=np.int32)  # 254 of max_model_len 256
+    params = SamplingParams(n=2, max_new_tokens=24, seed=3)
+    handed: list[tuple[int, list[int]]] = []
+    await engine.generate_each([PROMPTS[1], long], params, lambda i, c: handed.append((i, [x.token_ids.size for x in c])))
+    assert handed == [(1, [2, 2]), (0, [24, 24])]
+    outs = await engine.generate([PROMPTS[1], long], params)
+    assert [[c.token_ids.size for c in out] for out in outs] == [[24, 24], [2, 2]]
+
+
+@shared_loop
 async def test_a_copy_the_worker_cannot_make_is_reported_and_generation_goes_on(engine: VLLMEngine) -> None:
     """A worker's copy of a GPU-held version that raises (here: a CPU worker has no CUDA to copy with) is the weight
     sync's CopyFailed, which it retries and then gives up (before, vLLM's bare exception ended the generator); the
