@@ -3,7 +3,10 @@
 # Each part writes into OUT (at most 8 files come back): the summary JSONs and the tail of each log.
 #   source scripts/gpu/setup.sh && source scripts/gpu/vllm_unpack.sh && scripts/gpu/vllm.sh PART OUT
 # PART: tests   tests/gpu/test_vllm_gpu.py (TP=2 where two GPUs are visible), figures in OUT/vllm-gpu-report.json
-#       generate  bench generate on moe-1.6b: torch engine, the project's vLLM engine, plain LLM.generate
+#       generate  bench generate on moe-1.6b: torch engine, the project's vLLM engine, plain LLM.generate (GEN_MODEL,
+#                 GEN_ENGINES, GEN_PROMPTS, GEN_NEW_TOKENS change them; the node's generator, 512 sequences of 128
+#                 tokens on moe-5b, routes on and off: GEN_MODEL=moe-5b GEN_ENGINES=vllm,vllm-noroutes,vllm-raw
+#                 GEN_PROMPTS=512 GEN_NEW_TOKENS=128)
 #       loop      bench loop on moe-1.6b: Megatron learner on GPU 0, a vLLM generator on GPU 1 (checkpoints every
 #                 LOOP_CHECKPOINT_EVERY=100 steps: a Megatron checkpoint of this model takes ~40 s, the generator idles)
 #       mismatch  scripts/gpu/mismatch.py on moe-107m: each engine's logprobs against each learner backend's
@@ -20,8 +23,10 @@ tests)
         -o addopts="" tests/gpu/test_vllm_gpu.py > "$out/test_vllm_gpu.txt" 2>&1
     rc=$?; tail -40 "$out/test_vllm_gpu.txt"; exit $rc ;;
 generate)
-    timeout 580 python3 -m actors.commands bench generate --model moe-1.6b \
-        --json "$out/generate-$gpu-moe-1.6b-$day.json" > "$out/generate.log" 2>&1
+    model=${GEN_MODEL:-moe-1.6b}
+    timeout ${GEN_TIMEOUT:-580} python3 -m actors.commands bench generate --model "$model" \
+        --engines ${GEN_ENGINES:-torch,vllm,vllm-raw} --prompts ${GEN_PROMPTS:-256} --new-tokens ${GEN_NEW_TOKENS:-200} \
+        --json "$out/generate-$gpu-$model-$day.json" > "$out/generate.log" 2>&1
     rc=$?; tail -30 "$out/generate.log"; exit $rc ;;
 loop)
     timeout ${LOOP_TIMEOUT:-590} python3 -m actors.commands bench loop --model moe-1.6b --device cuda --backend megatron --steps ${LOOP_STEPS:-50} \
