@@ -4,11 +4,12 @@ Mixed into :class:`~actors.generator.process.Generator`. The work loop reads pro
 (evaluation prompts first) and starts each batch as a task of its own, up to ``generator.batches_in_flight`` at
 once (:func:`batches_in_flight`): with vLLM the next batch joins the engine while the last one's longest samples
 finish, instead of the engine draining to nothing at the end of every batch. Each batch generates (an environment
-task runs one episode of several turns per sample, :mod:`actors.generator.episodes`), scores, pushes one group
-record per prompt and acks the prompt only after its push; a group whose reward or environment raised goes to the
-dead letters instead (:mod:`actors.generator.scoring`). The prompts of every batch in hand are held (touched by the
-heartbeat, released on shutdown). A stop takes no new prompts and lets the batches in hand finish (or give up at
-the abort); a batch that raises ends the work loop with its error.
+task runs one episode of several turns per sample, :mod:`actors.generator.episodes`), scores and pushes one group
+record per prompt as soon as that prompt's samples are done (the batch's longest sample holds back no other group),
+and acks the prompt only after its push; a group whose reward or environment raised goes to the dead letters instead
+(:mod:`actors.generator.scoring`). The prompts of every batch in hand are held (touched by the heartbeat, released on
+shutdown). A stop takes no new prompts and lets the batches in hand finish (or give up at the abort, after pushing
+the groups already done); a batch that raises ends the work loop with its error.
 """
 
 from __future__ import annotations
