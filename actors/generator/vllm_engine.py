@@ -483,8 +483,9 @@ class VLLMEngine(Engine):
         self._pauses = [*self._pauses[-63:], t2 - t1]
         self._version = version
         self._swaps = [*self._swaps[-63:], (version, time.time())]
-        if self.prefix_caching:
-            await llm.reset_prefix_cache()  # frees blocks of older versions (new requests are salted anyway)
+        # The prefix cache is not reset: new requests are salted with the version, so older blocks are never hit, and
+        # vLLM evicts them as it needs room. A reset per swap was one more wait for an engine step before anyone
+        # waiting for the version heard of it, and failed while requests held blocks (every swap under load).
         assert self._applied is not None
         applied, self._applied = self._applied, asyncio.Event()
         applied.set()
