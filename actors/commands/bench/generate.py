@@ -8,6 +8,13 @@ Engines, each in a process of its own (one after the other, so each has the GPU 
 * ``vllm-noroutes``: the same with routes off;
 * ``vllm-raw``: plain ``vllm.LLM.generate`` on the same model directory (no logprobs, no routes).
 
+With ``--profile`` the ``vllm-raw`` engine runs in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's
+engine core and model runner beside the benchmark, so that ``torch.profiler`` sees their kernels and host time) and
+generates the batch once more under the profiler: its result gets ``in_process`` and ``profile`` (the GPU's busy
+share, kernel time by kind, the top kernels and ops: :mod:`actors.commands.bench.step_profile`). A busy share well
+under 1 means vLLM's host side paces decoding; a fused-MoE kernel on top means the kernel (vLLM has no tuned
+configuration for the presets' expert shapes).
+
 Every prompt is ``--prompt-tokens`` random ids of the model's vocabulary (seeded; special tokens left out) and
 every sample decodes exactly ``--new-tokens`` tokens at temperature 1 (end-of-sequence ignored, no per-request
 seed: vLLM samples seeded requests on a slower path), so each engine
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -52,6 +60,8 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="the torch engine's device (vLLM takes the first visible GPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="both vLLM variants")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="vllm-raw in one process, its batch generated once more under torch.profiler (module doc)")
     p.add_argument("--one", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -61,6 +71,8 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
         p.error(f"--engines must name some of {', '.join(ENGINES)}, got {args.engines!r}")
     if min(args.prompts, args.prompt_tokens, args.new_tokens) < 1:
         p.error("--prompts, --prompt-tokens and --new-tokens must be >= 1")
+    if args.profile and "vllm-raw" not in engines:
+        p.error("--profile profiles the vllm-raw engine: name it in --engines")
     args.engine_list = engines
     return args
 
@@ -134,6 +146,10 @@ def _run_raw(model_dir: Path, args: argparse.Namespace, prompts: list[Any]) -> t
     t1 = time.perf_counter()
     out = llm.generate(requests, params, use_tqdm=False)
     wall_s = time.perf_counter() - t1
+    if args.profile:
+        from actors.commands.bench.step_profile import profile_step
+
+        args.profiled = profile_step(lambda: llm.generate(requests, params, use_tqdm=False))
     return wall_s, sum(len(o.outputs[0].token_ids) for o in out), startup_s
 
 
@@ -147,6 +163,8 @@ def _child(args: argparse.Namespace) -> int:
     expected = args.prompts * args.new_tokens
     result = {"engine": args.one, "tokens_per_s": round(tokens / wall_s, 1), "wall_s": round(wall_s, 3),
               "tokens": tokens, "expected_tokens": expected, "startup_s": round(startup_s, 1)}  # fmt: skip
+    if getattr(args, "profiled", None) is not None:
+        result.update(in_process=True, profile=args.profiled)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0 if tokens == expected else 1
 
@@ -176,8 +194,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench generate") -
                    str(model_dir), "--prompts", str(args.prompts), "--prompt-tokens", str(args.prompt_tokens),
                    "--new-tokens", str(args.new_tokens), "--device", args.device, "--seed", str(args.seed),
                    "--gpu-memory-utilization", str(args.gpu_memory_utilization)]  # fmt: skip
+            env = dict(os.environ)
+            if args.profile and engine == "vllm-raw":
+                cmd.append("--profile")
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             print(f"bench generate: {engine} ...", file=sys.stderr, flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
             if proc.returncode != 0 or not lines:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]

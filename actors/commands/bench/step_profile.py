@@ -60,17 +60,21 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile_step(step: Callable[[], object], *, top: int = 30) -> dict[str, Any]:
-    """Profile one call of ``step`` (a training step) and summarise it (see the module doc)."""
+    """Profile one call of ``step`` (a training step, a batch's generation) and summarise it (see the module doc)."""
     import time
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    cuda = torch.cuda.is_available()  # without CUDA (a CPU test): host ops only, no kernels
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities, record_shapes=True) as prof:
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     kernels: list[tuple[str, float, float]] = []
     syncs = 0
