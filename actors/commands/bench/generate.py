@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import subprocess
@@ -179,6 +180,22 @@ def _model_dir(model: str, root: Path) -> Path:
     return target
 
 
+def _run_child(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str], list[str]]:
+    """Run one engine's child: its exit status, its result lines and the last lines of its log. The log goes on to
+    this process's stderr as it comes, so that a benchmark stopped midway (a time limit) shows how far each got."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    results: list[str] = []
+    tail: collections.deque[str] = collections.deque(maxlen=15)
+    for line in proc.stdout:
+        if line.startswith(RESULT_PREFIX):
+            results.append(line.rstrip("\n"))
+        else:
+            tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+    return proc.wait(), results, list(tail)
+
+
 def main(argv: list[str] | None = None, prog: str = "async-rl bench generate") -> int:
     args = parse_args(argv, prog)
     if args.one:
@@ -199,12 +216,10 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench generate") -
                 cmd.append("--profile")
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             print(f"bench generate: {engine} ...", file=sys.stderr, flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-            if proc.returncode != 0 or not lines:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-                failures.append(f"{engine}: exit {proc.returncode}: " + " | ".join(tail))
-                print(f"bench generate: {engine} failed (exit {proc.returncode}):\n" + "\n".join(tail), file=sys.stderr)
+            rc, lines, tail = _run_child(cmd, env)
+            if rc != 0 or not lines:
+                failures.append(f"{engine}: exit {rc}: " + " | ".join(tail))
+                print(f"bench generate: {engine} failed (exit {rc}):\n" + "\n".join(tail), file=sys.stderr)
             if lines:
                 results.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
     rate = {r["engine"]: r["tokens_per_s"] for r in results}
