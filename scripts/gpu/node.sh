@@ -42,8 +42,8 @@
 # (node-h100x4-moe-5b-learner2-gen1-2026-11-27.json, one generator: learner idle 0.51, generator 0.29). With 1024
 # sequences (four H200s, node-h200x4-moe-5b-learner2-gen1-1024seqs-2026-11-27.json) vLLM ran past its graphs: the
 # learner waited 0.58. With 512 and one generator (node-h100x4-moe-5b-learner2-gen1-512seqs-2026-11-27.json) the
-# learner waited 0.55: one H100 generates 11-15k tokens/s of moe-5b at 128 to 512 sequences, the two learner GPUs
-# train ~29k. With two generators
+# learner waited 0.55: one H100 generated 11.7-15k tokens/s of moe-5b with 512 sequences running (vLLM's line), the
+# two learner GPUs train ~29k. With two generators
 # (node-h100x4-moe-5b-learner2-gen2-2026-11-27.json) the learner waited 0.15 and the generators idled 0.41.
 # vLLM's own throughput line (running and waiting requests, KV cache use) is logged every 5 s
 # (vllm.engine_args.disable_log_stats=false) and copied into node-process-logs.txt.
