@@ -256,7 +256,7 @@ class VLLMEngine(Engine):
     async def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[list[Completion]]:
         out: dict[int, list[Completion]] = {}
         await self.generate_each(prompts, params, out.__setitem__)
-        return [out[p] for p in range(len(out))]
+        return [out[p] for p in range(len(prompts))]
 
     async def generate_each(self, prompts: Sequence[np.ndarray], params: SamplingParams,
                             on_done: Callable[[int, list[Completion]], None]) -> None:  # fmt: skip
