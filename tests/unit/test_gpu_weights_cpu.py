@@ -135,3 +135,19 @@ def test_gpu_path_settings_are_checked_and_named() -> None:
         ReaderConfig(gpu_lease_ttl_s=0)
     with pytest.raises(ValueError, match=r"gpu_lease_max_s \(1.0\) must be >= gpu_lease_ttl_s \(2.0\)"):
         ReaderConfig(gpu_lease_max_s=1.0)
+
+
+def test_a_vllm_workers_copies_agree_or_say_why() -> None:
+    """What vLLM's workers answer to a GPU copy, checked in the engine's process: every tensor-parallel rank's
+    checksums the same (else CorruptVersion), every rank able to map the learner's buffers (else IpcUnavailable), and
+    the copy done when the last rank had read them."""
+    from actors.generator.vllm_worker_copies import copies_agree
+    from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
+    from async_rl.weights.reader import CorruptVersion
+
+    copied = copies_agree([{"sums": [1, 2], "copied_at": 3.0}, {"sums": [1, 2], "copied_at": 4.5}], 7)
+    assert copied.sums == [1, 2] and copied.copied_at == 4.5
+    with pytest.raises(CorruptVersion, match="v7: tensor-parallel rank 1 copied other bytes than rank 0"):
+        copies_agree([{"sums": [1, 2], "copied_at": 3.0}, {"sums": [1, 3], "copied_at": 3.0}], 7)
+    with pytest.raises(IpcUnavailable, match="cannot map the learner's GPU buffers: no peer access"):
+        copies_agree([{"sums": [1, 2], "copied_at": 3.0}, {"unavailable": "no peer access"}], 7)
