@@ -25,7 +25,8 @@ tests)
 generate)
     model=${GEN_MODEL:-moe-1.6b}
     timeout ${GEN_TIMEOUT:-580} python3 -m actors.commands bench generate --model "$model" \
-        --engines ${GEN_ENGINES:-torch,vllm,vllm-raw} --prompts ${GEN_PROMPTS:-256} --new-tokens ${GEN_NEW_TOKENS:-200} \
+        --engines ${GEN_ENGINES:-torch,vllm,vllm-raw} --prompts ${GEN_PROMPTS:-256} \
+        --new-tokens ${GEN_NEW_TOKENS:-200} \
         ${GEN_PROFILE:+--profile} \
         --json "$out/generate-$gpu-$model-$day.json" > "$out/generate.log" 2>&1
     rc=$?; tail -30 "$out/generate.log"; exit $rc ;;

@@ -393,7 +393,8 @@ async def test_each_prompt_is_handed_over_when_its_own_samples_end(engine: VLLME
     long = np.array([1] + [4 + i % 18 for i in range(252)] + [9], dtype=np.int32)  # 254 of max_model_len 256
     params = SamplingParams(n=2, max_new_tokens=24, seed=3)
     handed: list[tuple[int, list[int]]] = []
-    await engine.generate_each([PROMPTS[1], long], params, lambda i, c: handed.append((i, [x.token_ids.size for x in c])))
+    await engine.generate_each([PROMPTS[1], long], params,
+                               lambda i, c: handed.append((i, [x.token_ids.size for x in c])))  # fmt: skip
     assert handed == [(1, [2, 2]), (0, [24, 24])]
     outs = await engine.generate([PROMPTS[1], long], params)
     assert [[c.token_ids.size for c in out] for out in outs] == [[24, 24], [2, 2]]

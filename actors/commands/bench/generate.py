@@ -130,7 +130,9 @@ async def _run_project_engine(engine_name: str, model_dir: Path, args: argparse.
     return wall_s, sum(int(c.token_ids.size) for group in out for c in group), startup_s
 
 
-def _run_raw(model_dir: Path, args: argparse.Namespace, prompts: list[Any]) -> tuple[float, int, float]:
+def _run_raw(model_dir: Path, args: argparse.Namespace,
+             prompts: list[Any]) -> tuple[float, int, float, dict[str, Any] | None]:  # fmt: skip
+    """Wall seconds, tokens and start-up seconds of the timed batch, and its profile with ``--profile``."""
     from vllm import LLM
     from vllm import SamplingParams as VSamplingParams
     from vllm.inputs import TokensPrompt
@@ -147,25 +149,27 @@ def _run_raw(model_dir: Path, args: argparse.Namespace, prompts: list[Any]) -> t
     t1 = time.perf_counter()
     out = llm.generate(requests, params, use_tqdm=False)
     wall_s = time.perf_counter() - t1
+    profiled = None
     if args.profile:
         from actors.commands.bench.step_profile import profile_step
 
-        args.profiled = profile_step(lambda: llm.generate(requests, params, use_tqdm=False))
-    return wall_s, sum(len(o.outputs[0].token_ids) for o in out), startup_s
+        profiled = profile_step(lambda: llm.generate(requests, params, use_tqdm=False))
+    return wall_s, sum(len(o.outputs[0].token_ids) for o in out), startup_s, profiled
 
 
 def _child(args: argparse.Namespace) -> int:
     model_dir = Path(args.model_dir)
     prompts = _prompts(model_dir, args)
+    profiled = None
     if args.one == "vllm-raw":
-        wall_s, tokens, startup_s = _run_raw(model_dir, args, prompts)
+        wall_s, tokens, startup_s, profiled = _run_raw(model_dir, args, prompts)
     else:
         wall_s, tokens, startup_s = asyncio.run(_run_project_engine(args.one, model_dir, args, prompts))
     expected = args.prompts * args.new_tokens
     result = {"engine": args.one, "tokens_per_s": round(tokens / wall_s, 1), "wall_s": round(wall_s, 3),
               "tokens": tokens, "expected_tokens": expected, "startup_s": round(startup_s, 1)}  # fmt: skip
-    if getattr(args, "profiled", None) is not None:
-        result.update(in_process=True, profile=args.profiled)
+    if profiled is not None:
+        result.update(in_process=True, profile=profiled)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0 if tokens == expected else 1
 

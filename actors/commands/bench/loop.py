@@ -286,7 +286,8 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
 def generator_rate(beats: list[Any]) -> float | None:
     """The generators' tokens/s together: each one's mean over its heartbeats, the beats with no tokens included.
     A beat's rate covers the interval since the one before, and tokens arrive a batch at a time: the median of the
-    beats that saw some (as before) counted only the intervals a batch ended in: 1.4-2.5x the tokens vLLM logged on four H100s."""
+    beats that saw some (as before) counted only the intervals a batch ended in: 1.4-2.5x the tokens vLLM logged on
+    four H100s."""
     per: dict[str, list[float]] = {}
     for b in beats:
         per.setdefault(b.generator_id, []).append(b.tokens_per_s)
