@@ -28,6 +28,7 @@ from actors.generator.scoring import Scoring
 from actors.generator.weight_sync import WeightSync
 from actors.generator.work import BusyClock, Work
 from async_rl.process.lifecycle import named_task, raise_if_cancel_requested, redact_url
+from async_rl.process.loop_lag import LoopLag
 from async_rl.process.repeated import RepeatedLine
 from async_rl.run.end import read_run_end
 from async_rl.servers.control import Control, ControlPlane, Heartbeat, Message, RunEnded
@@ -91,6 +92,7 @@ class Generator(Work):
         self.num_prompts = 0
         self.num_tokens = 0
         self._busy = BusyClock()
+        self._loop_lag = LoopLag()
         self.version_wait_s = 0.0
         self._fresh_waited = -1
         self.state = "starting"
@@ -164,10 +166,12 @@ class Generator(Work):
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(named_task("weights", self._sync.run()), name="weights")
                 tg.create_task(named_task("heartbeat", self._heartbeat_loop()), name="heartbeat")
+                lag = tg.create_task(self._loop_lag.run(), name="loop-lag")
                 await self._work_loop()
-                # Second phase: the work is drained; background tasks end on their own.
+                # Second phase: the work is drained; background tasks end on their own (the lag timer is cancelled).
                 self._done.set()
                 self._sync.stop()
+                lag.cancel()
 
     async def _release_held(self) -> None:
         self.state = "stopping"
@@ -257,6 +261,7 @@ class Generator(Work):
             applied_latency_s=self._applied_latencies(),
             standby_load_s=[round(a, 6) for a, _ in timings], swap_wait_s=[round(b, 6) for _, b in timings],
             staged_latency_s=self._sync.take_staged_latencies() if self._sync is not None else [],
+            loop_lag_ms=round(self._loop_lag.take_max() * 1e3, 3),
         )  # fmt: skip
 
     def _applied_latencies(self) -> list[float]:

@@ -7,10 +7,13 @@ Supported: vLLM **0.25.1** (the CUDA release built for torch 2.11, what the GPU 
 * **Weight-version labels.** From 0.27 vLLM labels every engine step with a weight version
   (``AsyncLLM.update_weight_version``) and returns each request's spans (``CompletionOutput.weight_versions``).
   0.25.1 has neither: :class:`FrontLabels` gives the same spans from the engine's own process. It notes, for every
-  request that receives tokens, how many output tokens it had when the label changed, and it changes the label
-  only while generation is paused, after every output of the old weights was processed (the outputs of the last
-  steps before the pause may still be on their way through the front end's queue when ``pause_generation``
-  returns: :meth:`FrontLabels.set` waits until that queue is empty and vLLM's output handler waits for more).
+  request that receives tokens, how many output tokens it had when its label changed, and takes each batch's label
+  from the engine core's own clock: every batch of outputs carries the ``time.monotonic()`` of the engine core at
+  which its step ended (``EngineCoreOutputs.timestamp``, one clock for every process of a Linux host), and a label
+  change is stamped with the front end's clock while generation is paused. Every step of the old weights ended
+  before the pause returned (the engine core answers it only once idle), every step of the new ones after the
+  resume, so a batch still on its way through the front end's queue is labelled right without waiting for it: the
+  swap's pause does not wait for the old weights' outputs to be processed (it did, 20-200 ms on the node).
   Either way every token carries the version of the weights that produced it, a sequence spanning a swap too.
   ``vllm.version_labels`` picks: ``auto`` (vLLM's own where it has them), ``engine`` or ``front``.
 * **Routed experts** (``enable_return_routed_experts``, the same field on the output): 0.25.1 captures them on its
@@ -34,7 +37,6 @@ Supported: vLLM **0.25.1** (the CUDA release built for torch 2.11, what the GPU 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -43,9 +45,9 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-LABEL_DRAIN_TIMEOUT_S = 5.0
-"""At most this long :meth:`FrontLabels.set` waits for the old weights' outputs to be processed (they are
-normally processed within a few event-loop turns; a stuck output handler must not hang the swap)."""
+LABELS_KEPT = 16
+"""Label changes :class:`FrontLabels` keeps (a batch older than the oldest takes its label: swaps are seconds apart,
+a batch is processed within milliseconds)."""
 
 Span = tuple[str, int, int]
 """``(label, start, end)``: output tokens ``start..end-1`` of a request came from the weights labelled ``label``."""
@@ -120,19 +122,22 @@ class FrontLabels:
     """Weight-version spans kept in the engine's process, for vLLMs without labels (module docstring)."""
 
     label: str
+    """The label of the steps from the last change on."""
     starts: dict[str, list[tuple[str, int]]]
     """External request id -> ``(label, output tokens before it)`` at each label change the request saw."""
+    changes: list[tuple[float, str]]
+    """``(monotonic time, label)`` of the last :data:`LABELS_KEPT` changes, oldest first."""
 
     def __init__(self, llm: Any, label: str) -> None:
         self.label = label
         self.starts = {}
-        self._idle = False
-        self._llm = llm
-        processor, core = llm.output_processor, llm.engine_core
-        self._core = core
-        process_outputs, get_output = processor.process_outputs, core.get_output_async
+        self.changes = [(float("-inf"), label)]
+        processor = llm.output_processor
+        process_outputs = processor.process_outputs
 
-        def labelled_process_outputs(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        def labelled_process_outputs(outputs: Any, engine_core_timestamp: float | None = None, *args: Any,
+                                     **kwargs: Any) -> Any:  # fmt: skip
+            label = self.label_at(engine_core_timestamp)
             for out in outputs:
                 if not out.new_token_ids:
                     continue
@@ -140,34 +145,22 @@ class FrontLabels:
                 if state is None:
                     continue
                 seen = self.starts.setdefault(state.external_req_id, [])
-                if not seen or seen[-1][0] != self.label:  # counted before this output's tokens are added
-                    seen.append((self.label, state.detokenizer.num_output_tokens()))
-            return process_outputs(outputs, *args, **kwargs)
+                if not seen or seen[-1][0] != label:  # counted before this output's tokens are added
+                    seen.append((label, state.detokenizer.num_output_tokens()))
+            return process_outputs(outputs, engine_core_timestamp, *args, **kwargs)
 
-        async def watched_get_output() -> Any:
-            self._idle = core.outputs_queue is None or core.outputs_queue.empty()
-            try:
-                return await get_output()
-            finally:
-                self._idle = False
-
-        # Instance attributes, looked up by vLLM's output handler at every call.
+        # An instance attribute, looked up by vLLM's output handler at every call.
         processor.process_outputs = labelled_process_outputs
-        core.get_output_async = watched_get_output
+
+    def label_at(self, engine_time: float | None) -> str:
+        """The label of a step that ended at ``engine_time`` on the engine core's clock (None: the current one)."""
+        if engine_time is None:
+            return self.label
+        return next((label for t, label in reversed(self.changes) if t <= engine_time), self.changes[0][1])
 
     async def set(self, label: str) -> None:
-        """Change the label (generation paused): first let every output of the old weights be processed."""
-        if getattr(self._llm, "output_handler", None) is None:  # no request yet: no output on its way
-            self.label = label
-            return
-        deadline = time.monotonic() + LABEL_DRAIN_TIMEOUT_S
-        queue = self._core.outputs_queue
-        while not ((queue is None or queue.empty()) and self._idle):
-            if time.monotonic() > deadline:
-                log.warning("vLLM's output handler did not drain within %.0f s; relabelling to %s anyway",
-                            LABEL_DRAIN_TIMEOUT_S, label)  # fmt: skip
-                break
-            await asyncio.sleep(0)
+        """Change the label; called while generation is paused (module docstring), so it waits for nothing."""
+        self.changes = [*self.changes[-(LABELS_KEPT - 1):], (time.monotonic(), label)]
         self.label = label
 
     def spans(self, rid: str, output: Any) -> list[Span]:

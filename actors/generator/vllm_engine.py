@@ -470,10 +470,11 @@ class VLLMEngine(Engine):
         t1 = time.perf_counter()
         assert self._labels is not None
         await pause_keep(llm)
-        try:  # the load and the relabelling (which waits for the old weights' last outputs) go side by side
-            loads, _ = await asyncio.gather(llm.collective_rpc("arl_apply_staged", args=(version,)),
-                                            self._labels.set(str(version)))  # fmt: skip
-            load_s = loads[0]
+        t_still = time.perf_counter()
+        try:
+            load_s = (await llm.collective_rpc("arl_apply_staged", args=(version,)))[0]
+            t_loaded = time.perf_counter()
+            await self._labels.set(str(version))  # loaded, not yet resumed: vllm_compat's docstring (labels)
         finally:
             await llm.resume_generation()
         t2 = time.perf_counter()
@@ -489,8 +490,9 @@ class VLLMEngine(Engine):
         assert self._applied is not None
         applied, self._applied = self._applied, asyncio.Event()
         applied.set()
-        log.info("vLLM engine: version %d in use (staged in %.3f s, paused %.3f s, of which the in-place load %.3f s)",
-                 version, t1 - t0, t2 - t1, load_s)  # fmt: skip
+        log.info("vLLM engine: version %d in use (staged in %.3f s, paused %.3f s: the engine stood still after %.3f, "
+                 "the load's call %.3f of which the in-place load %.3f, the resume %.3f)", version, t1 - t0, t2 - t1,
+                 t_still - t1, t_loaded - t_still, load_s, t2 - t_loaded)  # fmt: skip
 
     def _remove_tmp(self) -> None:
         if self._tmp_dir is not None:

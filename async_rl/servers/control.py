@@ -108,6 +108,9 @@ class Heartbeat:
     swap_pauses_ms: list[float] = field(default_factory=list)
     """For each swap since the previous heartbeat, milliseconds generation stood still (engines that report each:
     vLLM's); ``swap_pause_ms`` is the last one."""
+    loop_lag_ms: float = 0.0
+    """The generator's event loop's largest lateness since the previous heartbeat (a 10 ms timer's): every RPC reply,
+    weight notice and swap of the generator waits that long more (:mod:`async_rl.process.loop_lag`)."""
     sent_at: float = field(default_factory=time.time)
     """Unix time of this heartbeat."""
 

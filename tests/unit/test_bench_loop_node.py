@@ -85,6 +85,15 @@ def test_swap_pause_is_the_median_over_every_swap_the_heartbeats_carry() -> None
     assert loop.summarize(events, last_only, 0, 0.0)["swap_pause_ms"] == 50.0
 
 
+def test_loop_lag_is_the_median_and_the_largest_of_the_beats_in_the_steady_span() -> None:
+    from async_rl.servers.control import Heartbeat
+
+    events = [(float(s), s, {"train_s": 0.1, "tokens": 10.0}) for s in range(1, 6)]
+    beats = [Heartbeat(generator_id="g", version=v, sent_at=float(v), loop_lag_ms=lag)
+             for v, lag in ((-1, 900.0), (1, 2.0), (2, 30.0), (3, 4.0))]  # the first: before any version (start-up)
+    assert loop.summarize(events, beats, 0, 0.0)["generator_loop_lag_ms"] == {"p50": 4.0, "max": 30.0}
+
+
 def test_bench_async_runs_every_plan_on_the_node(four_gpus: None, tmp_path: Path) -> None:
     """``bench async`` with the node's options: every run (sync, and each S) is the node loop, the same processes
     on the same GPUs, only the staleness keys differ."""

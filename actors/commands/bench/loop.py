@@ -24,7 +24,8 @@ per generator; ``version_to_staged_s`` likewise to its hand-over to the engine, 
 ``host_encode_s`` (the host transport's versions: snapshot to visible, bytes sent / full, encoding and checksums, on
 the GPU or the CPU), ``learner_idle_frac`` (time waiting
 for rollouts), ``generator_idle_frac`` (time not generating, from the
-heartbeats' ``generate_s``), ``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
+heartbeats' ``generate_s``), ``generator_loop_lag_ms`` (p50 and max over the heartbeats of each one's largest
+event-loop lateness since the previous: every RPC reply and swap of a generator waits that much more), ``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
 ``peak_memory_gib`` (the learner's, GPU), ``learner_tokens_per_s_per_gpu`` and ``generator_tokens_per_s_per_gpu``
 (each side's tokens/s over its GPUs: the learner's ranks, the generators' distinct devices; on CUDA),
 ``generator_gpus_per_learner_gpu`` (the split those rates and idle fractions point to: :func:`split`),
@@ -279,6 +280,8 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
     out["version_to_staged_s"] = _latencies(steady_beats, "staged_latency_s")
     out["standby_load_s"] = _latencies(steady_beats, "standby_load_s")
     out["swap_wait_s"] = _latencies(steady_beats, "swap_wait_s")
+    lags = [b.loop_lag_ms for b in steady_beats if b.version >= 0]
+    out["generator_loop_lag_ms"] = {"p50": _quantile(lags, 0.5), "max": max(lags)} if lags else None
     out["generators_seen"] = sorted(latest)
     return out
 
