@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -163,6 +164,10 @@ class Generator(Work):
                          " (the run has ended)" if self.run_ended else "")  # fmt: skip
                 return
             assert self._sync is not None
+            # What start-up built (the engine, its model config, imported modules: millions of objects) lives as long
+            # as the process: out of the collector's sight, a full collection no longer walks it while the loop
+            # waits (vLLM's own processes do the same).
+            gc.freeze()
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(named_task("weights", self._sync.run()), name="weights")
                 tg.create_task(named_task("heartbeat", self._heartbeat_loop()), name="heartbeat")
