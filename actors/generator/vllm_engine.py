@@ -92,7 +92,7 @@ class VLLMEngine(Engine):
     log_stats: bool
     """vLLM's statistics are on (``vllm.engine_args.disable_log_stats=false``): logged every ``STATS_INTERVAL_S``."""
     last_swap_pause_s: float
-    """Time generation stood still for the last swap (pause, in-place load, relabel, resume)."""
+    """Time generation stood still for the last swap: the engine core paused (after its steps in flight) to resumed."""
     last_stage_s: float
     """Time the last version took to reach the worker (generation kept going)."""
     last_load_s: float
@@ -478,21 +478,19 @@ class VLLMEngine(Engine):
         finally:
             await llm.resume_generation()
         t2 = time.perf_counter()
-        if tensors is not None:
-            self.last_stage_s = t1 - t0
-        self.last_swap_pause_s, self.last_load_s = t2 - t1, float(load_s)
-        self._pauses = [*self._pauses[-63:], t2 - t1]
-        self._version = version
-        self._swaps = [*self._swaps[-63:], (version, time.time())]
+        self.last_stage_s = t1 - t0 if tensors is not None else self.last_stage_s
+        # Stood still from t_still (until then the core finished its steps in flight: 50-100 ms of 512 sequences).
+        self.last_swap_pause_s, self.last_load_s, self._version = t2 - t_still, float(load_s), version
+        self._pauses, self._swaps = [*self._pauses[-63:], t2 - t_still], [*self._swaps[-63:], (version, time.time())]
         # The prefix cache is not reset: new requests are salted with the version, so older blocks are never hit, and
         # vLLM evicts them as it needs room. A reset per swap was one more wait for an engine step before anyone
         # waiting for the version heard of it, and failed while requests held blocks (every swap under load).
         assert self._applied is not None
         applied, self._applied = self._applied, asyncio.Event()
         applied.set()
-        log.info("vLLM engine: version %d in use (staged in %.3f s, paused %.3f s: the engine stood still after %.3f, "
-                 "the load's call %.3f of which the in-place load %.3f, the resume %.3f)", version, t1 - t0, t2 - t1,
-                 t_still - t1, t_loaded - t_still, load_s, t2 - t_loaded)  # fmt: skip
+        log.info("vLLM engine: version %d in use (staged in %.3f s, swapped in %.3f s: the engine stood still after "
+                 "%.3f, then %.3f: the load's call %.3f of which the in-place load %.3f, the resume %.3f)", version,
+                 t1 - t0, t2 - t1, t_still - t1, t2 - t_still, t_loaded - t_still, load_s, t2 - t_loaded)  # fmt: skip
 
     def _remove_tmp(self) -> None:
         if self._tmp_dir is not None:
