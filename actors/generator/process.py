@@ -166,7 +166,8 @@ class Generator(Work):
             assert self._sync is not None
             # What start-up built (the engine, its model config, imported modules: millions of objects) lives as long
             # as the process: out of the collector's sight, a full collection no longer walks it while the loop
-            # waits (vLLM's own processes do the same).
+            # waits. Its garbage goes first, so none stays frozen (vLLM's own processes do the same).
+            gc.collect()
             gc.freeze()
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(named_task("weights", self._sync.run()), name="weights")

@@ -13,7 +13,7 @@ Supported: vLLM **0.25.1** (the CUDA release built for torch 2.11, what the GPU 
   change is stamped with the front end's clock while generation is paused. Every step of the old weights ended
   before the pause returned (the engine core answers it only once idle), every step of the new ones after the
   resume, so a batch still on its way through the front end's queue is labelled right without waiting for it: the
-  swap's pause does not wait for the old weights' outputs to be processed (it did, 20-200 ms on the node).
+  swap's pause no longer waits for the old weights' outputs to go through a busy front end.
   Either way every token carries the version of the weights that produced it, a sequence spanning a swap too.
   ``vllm.version_labels`` picks: ``auto`` (vLLM's own where it has them), ``engine`` or ``front``.
 * **Routed experts** (``enable_return_routed_experts``, the same field on the output): 0.25.1 captures them on its

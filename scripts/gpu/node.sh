@@ -31,6 +31,8 @@
 # every other step. On four H200s (S=2, node-h200x4-moe-5b-learner2-gen2-2026-11-27.json) 64 prompts in flight
 # were 2.2 s of training against 2.5-2.9 s for a batch's 128 decoding steps: steps alternated 1.1 s and 2.7 s
 # (learner idle 0.33) while the generators idled 0.58.
+# NODE_PROFILE_S=25: py-spy (scripts/gpu/fetch-extra-wheels.sh) samples gen-0's front end and vLLM engine core for that
+# long from the learner's 5th step on; OUT/pyspy-gen0-front.txt and -core.txt summarise where their time goes.
 # The summary's generator_gpus_per_learner_gpu says how many generator GPUs one learner GPU keeps busy (docs/gpus.md).
 # It said 0.43 there, from a generator rate that counted only the heartbeats a batch ended in (fixed since: the mean
 # over every heartbeat); one generator for the two learner GPUs (NODE_GEN_DEVICES=cuda:2) left the learner waiting.
@@ -67,6 +69,27 @@ staleness=${NODE_STALENESS:-4}
 batch_prompts=${NODE_GEN_BATCH_PROMPTS:-16}
 batches=${NODE_GEN_BATCHES:-4}
 seqs=${NODE_GEN_SEQS:-$((batches * batch_prompts * 8))}  # 8: bench loop's sampling.n
+profile_gen0() {  # NODE_PROFILE_S seconds of py-spy on gen-0's front end and engine core, from the learner's 5th step
+    local i p c
+    for i in $(seq 600); do  # until the learner's 5th step; not at all if bench loop ended first
+        [ -e "$run_dir.ended" ] && return 0
+        [ "$(wc -l < "$run_dir/metrics.jsonl" 2>/dev/null || echo 0)" -ge 5 ] && break
+        sleep 1
+    done
+    p=$(pgrep -f "^[^ ]*python[0-9.]* -m actors.commands generator .*generator_id=gen-0" | head -1)
+    [ -n "$p" ] || { echo "node.sh: no generator gen-0 to profile" >&2; return 0; }
+    c=$(pgrep -P "$p" -f EngineCore | head -1)
+    for who in "front $p" "core $c"; do
+        set -- $who; [ -n "${2:-}" ] || continue
+        py-spy record -d "$NODE_PROFILE_S" -r 100 -p "$2" --threads -f raw -o "/tmp/gen0-$1.txt" --nonblocking \
+            > "/tmp/gen0-$1-pyspy.log" 2>&1 &
+    done
+    wait
+    for who in front core; do  # the raw files are over what a device call brings back
+        python3 "$(dirname "$0")/pyspy_summary.py" "/tmp/gen0-$who.txt" > "$out/pyspy-gen0-$who.txt" 2>&1
+    done
+}
+[ "${NODE_PROFILE_S:-0}" -gt 0 ] && { profile_gen0 & }
 timeout ${NODE_TIMEOUT:-540} python3 -m actors.commands bench loop --model "$model" "${node[@]}" \
     --steps ${NODE_STEPS:-60} --max-minutes ${NODE_MINUTES:-8} \
     --learner megatron.lr=1e-5 --learner publisher.gpu_host_copies=false \
@@ -78,6 +101,7 @@ timeout ${NODE_TIMEOUT:-540} python3 -m actors.commands bench loop --model "$mod
     --generator vllm.work_dir=/root/arl-presets \
     "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
 rc=$?
+touch "$run_dir.ended"; wait  # the profile, if one is under way
 tail -5 "$out/node.log"
 for f in "$run_dir"/*.log; do  # each log's first and last lines (start-up, then how it ended), the noise left out
     grep -v " DEBUG \|main_grad.dtype\|vLLM engine: version\|warnings.warn\|Avg generation throughput" "$f" \
