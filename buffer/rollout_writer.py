@@ -8,7 +8,8 @@ stay in the stream read; the learner publishes that number (:data:`LEARNER_HOLD_
 on top of ``max_backlog`` (a bound below it would make the generator wait for acks the learner can only give after
 groups it may not append). Each append reads the stream's length back in its own transaction; while that stays below
 the bound minus one the next append skips the check (a round trip saved per group), so W writers at once can
-overshoot the bound by W - 1. A record larger than
+overshoot the bound by W - 1. :meth:`RolloutWriter.append_many` appends several records in one transaction (one round
+trip, the bound checked once: k records overshoot it by k - 1 at most). A record larger than
 ``inline_max_bytes`` travels under its own key, the entry pointing to it. The entry's fields are named here; the
 reading side is :mod:`buffer.rollouts`.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,35 +121,56 @@ class RolloutWriter:
 
     async def append(self, rec: GroupRecord) -> str:
         """Encode (validating: raises WireError), wait for room, append; returns the entry id."""
-        buf = self._buffers.pop() if self._buffers else bytearray()
+        return (await self.append_many([rec]))[0]
+
+    async def append_many(self, recs: Sequence[GroupRecord]) -> list[str]:
+        """Several records in one transaction, one round trip (a batch's groups that end in the same step): all
+        encoded first (a WireError appends none), room waited for once; returns their entry ids in order."""
+        bufs: list[bytearray] = []
         try:
-            view = encode_group_into(rec, buf)
-        except BufferError:  # a transport still holds a view of it: take a fresh one
-            buf = bytearray()
-            view = encode_group_into(rec, buf)
-        entry_id = await self.append_encoded(view, generator_id=rec.generator_id, group_id=rec.group_id)
-        if len(self._buffers) < _MAX_BUFFERS:
-            self._buffers.append(buf)
-        return entry_id
+            items = []
+            for rec in recs:
+                buf = self._buffers.pop() if self._buffers else bytearray()
+                try:
+                    view = encode_group_into(rec, buf)
+                except BufferError:  # a transport still holds a view of it: take a fresh one
+                    buf = bytearray()
+                    view = encode_group_into(rec, buf)
+                bufs.append(buf)
+                items.append((view, rec.generator_id, rec.group_id))
+            return await self._append_encoded(items)
+        finally:
+            self._buffers.extend(bufs[: max(0, _MAX_BUFFERS - len(self._buffers))])
 
     async def append_encoded(self, data: bytes | memoryview, *, generator_id: str, group_id: str) -> str:
         """Append an already encoded record (benchmarks, relays)."""
-        if self._backlog is None or self._backlog >= self._bound - 1:
+        return (await self._append_encoded([(data, generator_id, group_id)]))[0]
+
+    async def _append_encoded(self, items: Sequence[tuple[bytes | memoryview, str, str]]) -> list[str]:
+        """``(record, generator id, group id)`` each, in one transaction; the bound is checked as for one append
+        (module docstring), so k records at once can overshoot it by k - 1, like k writers."""
+        if not items:
+            return []
+        if self._backlog is None or self._backlog + len(items) >= self._bound:
             await self.wait_for_room()
-        fields: dict[Any, Any] = {GENERATOR_FIELD: generator_id, GROUP_ID_FIELD: group_id}
+        added: list[bool] = []  # per command of the transaction: an XADD (its reply is an entry id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            if len(data) <= self.cfg.inline_max_bytes:
-                fields[RECORD_FIELD] = data
-            else:
-                key = self.names.rollout_payload(uuid.uuid4().hex)
-                pipe.set(key, data)
-                fields[PAYLOAD_KEY_FIELD] = key
-            pipe.xadd(self.names.rollouts_stream, fields)
-            pipe.hincrby(self.names.rollout_counters, "appended", 1)
+            for data, generator_id, group_id in items:
+                fields: dict[Any, Any] = {GENERATOR_FIELD: generator_id, GROUP_ID_FIELD: group_id}
+                if len(data) <= self.cfg.inline_max_bytes:
+                    fields[RECORD_FIELD] = data
+                else:
+                    key = self.names.rollout_payload(uuid.uuid4().hex)
+                    pipe.set(key, data)
+                    added.append(False)
+                    fields[PAYLOAD_KEY_FIELD] = key
+                pipe.xadd(self.names.rollouts_stream, fields)
+                added.append(True)
+            pipe.hincrby(self.names.rollout_counters, "appended", len(items))
             pipe.xlen(self.names.rollouts_stream)
             res = await pipe.execute()
         self._backlog = int(res[-1])
-        return sid(res[-3])
+        return [sid(r) for r, is_xadd in zip(res, added, strict=False) if is_xadd]
 
     async def wait_for_room(self) -> None:
         """Return once the stream is below :meth:`bound`; raise BackpressureTimeout after the timeout."""

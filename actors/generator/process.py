@@ -165,10 +165,12 @@ class Generator(Work):
                 return
             assert self._sync is not None
             # What start-up built (the engine, its model config, imported modules: millions of objects) lives as long
-            # as the process: out of the collector's sight, a full collection no longer walks it while the loop
-            # waits. Its garbage goes first, so none stays frozen (vLLM's own processes do the same).
+            # as the work: out of the collector's sight, a full collection no longer walks it while the loop waits.
+            # Its garbage goes first; all of it is given back at the end, so the interpreter's exit finalises it
+            # (frozen, it would be reported leaked). vLLM's own processes do the same.
             gc.collect()
             gc.freeze()
+            stack.callback(gc.unfreeze)
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(named_task("weights", self._sync.run()), name="weights")
                 tg.create_task(named_task("heartbeat", self._heartbeat_loop()), name="heartbeat")

@@ -5,7 +5,8 @@ Mixed into :class:`~actors.generator.process.Generator`. The work loop reads pro
 once (:func:`batches_in_flight`): with vLLM the next batch joins the engine while the last one's longest samples
 finish, instead of the engine draining to nothing at the end of every batch. Each batch generates (an environment
 task runs one episode of several turns per sample, :mod:`actors.generator.episodes`), scores and pushes one group
-record per prompt as soon as that prompt's samples are done (the batch's longest sample holds back no other group),
+record per prompt as soon as that prompt's samples are done (the batch's longest sample holds back no other group;
+the groups done by then go together, in one transaction, so 16 groups ending in one step cost a round trip, not 16),
 and acks the prompt only after its push; a group whose reward or environment raised goes to the dead letters instead
 (:mod:`actors.generator.scoring`). The prompts of every batch in hand are held (touched by the heartbeat, released on
 shutdown). A stop takes no new prompts and lets the batches in hand finish (or give up at the abort, after pushing
@@ -157,8 +158,8 @@ class Work:
 
     async def _process(self, entries: list[PromptEntry], prompts: PromptQueue, writer: RolloutWriter) -> None:
         """Generate, score and push every entry, each group as soon as its samples are done (the engine's
-        :meth:`~actors.generator.engine.Engine.generate_each`), acking each prompt right after its push. An abort
-        stops the generation, not a push under way."""
+        :meth:`~actors.generator.engine.Engine.generate_each`; those done by then together), acking the prompts right
+        after their push. An abort stops the generation, not a push under way."""
         by_params: dict[Sampling, list[PromptEntry]] = defaultdict(list)
         for e in entries:
             by_params[self._sampling(e)].append(e)
@@ -171,8 +172,14 @@ class Work:
             abort = asyncio.ensure_future(self._abort_event.wait())
             try:
                 while (item := await self._next_or_abort(done, abort)) is not None:
-                    i, scored = item
-                    await self._push(group[i], scored, prompts, writer, time.time() - t0)
+                    ready, ended = [item], False
+                    while not done.empty() and not ended:  # the groups that ended with it go in the same round trip
+                        more = done.get_nowait()
+                        ended = more is None
+                        ready += [] if more is None else [more]
+                    await self._push([(group[i], scored) for i, scored in ready], prompts, writer, time.time() - t0)
+                    if ended:
+                        break
             finally:
                 abort.cancel()
                 if not gen.done():  # aborted: its outcome no longer matters; held prompts are released by close()
@@ -203,22 +210,25 @@ class Work:
                 getter.cancel()
         return getter.result() if getter.done() and not getter.cancelled() else None
 
-    async def _push(self, entry: PromptEntry, scored: ScoredGroup, prompts: PromptQueue, writer: RolloutWriter,
+    async def _push(self, done: list[tuple[PromptEntry, ScoredGroup]], prompts: PromptQueue, writer: RolloutWriter,
                     gen_s: float) -> None:  # fmt: skip
-        """One group to the rollout stream and its prompt acked (or, where the task's code raised on it, to the dead
-        letters)."""
-        samples = scored.samples
-        if scored.failed:  # the task's code raised on it: the dead letters, with the error, and go on
-            await asyncio.shield(self._dead_letter(prompts, entry, scored))
-        else:
-            await writer.append(self._record(entry, samples, gen_s))
-            await asyncio.shield(prompts.ack([entry]))
-        self._held = [h for h in self._held if h.entry_id != entry.entry_id]
-        self.num_prompts += 1
-        num_tokens = sum(int(s.response_ids.size) for s in samples)
-        self.num_tokens += num_tokens
-        self._metrics.generated(1, num_tokens)
-        self._scoring.judge(scored)  # every sample of too many groups in a row failed: ScoringFailed
+        """Groups to the rollout stream in one transaction and their prompts acked in one more (those the task's code
+        raised on, to the dead letters one by one)."""
+        good = [(entry, scored) for entry, scored in done if not scored.failed]
+        for entry, scored in done:
+            if scored.failed:  # the task's code raised on it: the dead letters, with the error, and go on
+                await asyncio.shield(self._dead_letter(prompts, entry, scored))
+        if good:
+            await writer.append_many([self._record(entry, scored.samples, gen_s) for entry, scored in good])
+            await asyncio.shield(prompts.ack([entry for entry, _ in good]))
+        pushed = {entry.entry_id for entry, _ in done}
+        self._held = [h for h in self._held if h.entry_id not in pushed]
+        for _, scored in done:
+            self.num_prompts += 1
+            num_tokens = sum(int(s.response_ids.size) for s in scored.samples)
+            self.num_tokens += num_tokens
+            self._metrics.generated(1, num_tokens)
+            self._scoring.judge(scored)  # every sample of too many groups in a row failed: ScoringFailed
 
     async def _dead_letter(self, prompts: PromptQueue, entry: PromptEntry, scored: ScoredGroup) -> None:
         assert scored.first_error is not None

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from actors.commands.bench.buffer import make_group
-from async_rl.wire import PromptSpec, decode_group, encode_group
+from async_rl.wire import PromptSpec, WireError, decode_group, encode_group
 from buffer.dead_letters import DeadLetters
 from buffer.prompts import PromptQueue, PromptQueueConfig
 from buffer.rollout_writer import (
@@ -126,6 +126,25 @@ async def test_rollout_roundtrip_ack_and_counters(redis_client, names):
     assert stats["rollouts"]["consumed"] == 2
     assert stats["rollouts"]["backlog"] == 1
     assert stats["rollouts"]["stream"]["pending"] == 1
+
+
+@pytest.mark.parametrize("inline_max_bytes", [256 * 1024, 0], ids=["in-the-stream", "beside-the-stream"])
+async def test_records_appended_together_arrive_in_order_and_a_bad_one_appends_none(redis_client, names,
+                                                                                   inline_max_bytes):  # fmt: skip
+    w = RolloutWriter(redis_client, names, RolloutWriterConfig(inline_max_bytes=inline_max_bytes))
+    r = RolloutReader(redis_client, names)
+    bad = _group(9)
+    bad.group_id = ""
+    with pytest.raises(WireError, match="group_id must not be empty"):
+        await w.append_many([_group(7), bad])
+    assert await redis_client.xlen(names.rollouts_stream) == 0
+    recs = [_group(i) for i in range(4)]
+    ids = await w.append_many(recs)
+    got = await r.read("learner", count=10)
+    assert [e.entry_id for e in got] == ids
+    assert [encode_group(e.record) for e in got] == [encode_group(rec) for rec in recs]
+    assert (await buffer_stats(redis_client, names))["rollouts"]["appended"] == 4
+    assert await w.append_many([]) == []
 
 
 async def test_rollout_killed_learner_loses_nothing(redis_client, names):
