@@ -272,6 +272,9 @@ class RunLease:
     _fields: list[str]
     """The holder's fields as the lease keeps them (name, value, ...), besides its token and since."""
     _nonce: str
+    _renewed_at: float
+    """``time.monotonic()`` of the take or the last renewal: each renewer keeps that cadence (a hand-off from the build's
+    renewer to the loop's, each waiting a whole interval first, let an 8 s lease lapse: a standby took a live run)."""
 
     def __init__(self, redis_url: str, names: Names, cfg: LeaseConfig, *, run_dir: Path | str) -> None:
         self.names = names
@@ -284,6 +287,7 @@ class RunLease:
         self._fields = ["host", socket.gethostname(), "pid", str(pid), "run_dir", str(Path(run_dir).resolve()),
                         "node", node_id(), "pid_start", process_start(pid)]  # fmt: skip
         self._nonce = uuid.uuid4().hex[:12]
+        self._renewed_at = 0.0
 
     @property
     def _ttl_ms(self) -> int:
@@ -308,6 +312,7 @@ class RunLease:
         if token:
             self.fence = Fence(n.learner_fence, token)
             self.since = _text(res[3])
+            self._renewed_at = time.monotonic()
             return None
         holder = Holder.parse(fields, now, pttl)
         assert holder is not None, "the take script returns the holder's fields when the lease exists"
@@ -414,8 +419,10 @@ class RunLease:
         """Renew until ``stop`` is set or the run is lost (then ``on_end(None)``). A failed renewal is retried at the
         next one; with ``on_end``, renewals failing for a whole ``ttl_s`` end it with their error."""
         failing_since: float | None = None
+        next_at = self._renewed_at + self.renew_every_s  # the cadence of the renewer before this one (_renewed_at)
         with contextlib.closing(self._client()) as client:
-            while not stop.wait(self.renew_every_s):
+            while not stop.wait(max(0.0, next_at - time.monotonic())):
+                next_at = time.monotonic() + self.renew_every_s
                 try:
                     renewed = self._renewed(client.eval(*self._renew_args()))
                 except RedisError as exc:  # the learner meets the same server next; it names it then
@@ -426,6 +433,7 @@ class RunLease:
                         return
                     continue
                 failing_since = None
+                self._renewed_at = time.monotonic()
                 if not renewed:
                     if on_end is not None:
                         on_end(None)

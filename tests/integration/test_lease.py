@@ -106,6 +106,23 @@ async def test_an_expired_lease_nobody_took_is_renewed(servers: ServerSet, names
         await keeper
 
 
+def test_a_renewer_started_late_renews_on_the_lease_s_cadence_not_an_interval_later(servers: ServerSet, names: Names,
+                                                                                     ) -> None:  # fmt: skip
+    # The learner takes the lease, builds its backend (a renewing thread), then starts its loop (another): a hand-off
+    # late in an interval must renew at once, or the lease lapses before the new renewer's first turn.
+    a = RunLease(servers.redis_url, names, LeaseConfig(ttl_s=3.0), run_dir="runs/a")
+    a.take()
+    time.sleep(2.5)  # past the first renewal's time (1 s), 0.5 s before the lease expires
+    r = redis.Redis.from_url(servers.redis_url)
+    with a.kept_alive():
+        deadline = time.monotonic() + 0.45  # the old cadence's first renewal would come 1 s after this start
+        while r.pttl(names.learner_lease) < 2000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert r.pttl(names.learner_lease) >= 2000, "not renewed at once: the lease would have lapsed"
+    r.close()
+    a.release()
+
+
 async def test_a_blocked_event_loop_keeps_the_lease(servers: ServerSet, names: Names) -> None:
     a = _lease(servers, names)
     a.take()
