@@ -153,24 +153,24 @@ class RolloutWriter:
             return []
         if self._backlog is None or self._backlog + len(items) >= self._bound:
             await self.wait_for_room()
-        added: list[bool] = []  # per command of the transaction: an XADD (its reply is an entry id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            for data, generator_id, group_id in items:
+            entries: list[dict[Any, Any]] = []
+            for data, generator_id, group_id in items:  # large records' keys first (one transaction: order is moot)
                 fields: dict[Any, Any] = {GENERATOR_FIELD: generator_id, GROUP_ID_FIELD: group_id}
                 if len(data) <= self.cfg.inline_max_bytes:
                     fields[RECORD_FIELD] = data
                 else:
                     key = self.names.rollout_payload(uuid.uuid4().hex)
                     pipe.set(key, data)
-                    added.append(False)
                     fields[PAYLOAD_KEY_FIELD] = key
+                entries.append(fields)
+            for fields in entries:
                 pipe.xadd(self.names.rollouts_stream, fields)
-                added.append(True)
             pipe.hincrby(self.names.rollout_counters, "appended", len(items))
             pipe.xlen(self.names.rollouts_stream)
             res = await pipe.execute()
         self._backlog = int(res[-1])
-        return [sid(r) for r, is_xadd in zip(res, added, strict=False) if is_xadd]
+        return [sid(r) for r in res[-2 - len(items) : -2]]  # the XADDs' replies, before HINCRBY's and XLEN's
 
     async def wait_for_room(self) -> None:
         """Return once the stream is below :meth:`bound`; raise BackpressureTimeout after the timeout."""

@@ -121,15 +121,12 @@ class EngineLabels:
 class FrontLabels:
     """Weight-version spans kept in the engine's process, for vLLMs without labels (module docstring)."""
 
-    label: str
-    """The label of the steps from the last change on."""
     starts: dict[str, list[tuple[str, int]]]
     """External request id -> ``(label, output tokens before it)`` at each label change the request saw."""
     changes: list[tuple[float, str]]
     """``(monotonic time, label)`` of the last :data:`LABELS_KEPT` changes, oldest first."""
 
     def __init__(self, llm: Any, label: str) -> None:
-        self.label = label
         self.starts = {}
         self.changes = [(float("-inf"), label)]
         processor = llm.output_processor
@@ -152,6 +149,11 @@ class FrontLabels:
         # An instance attribute, looked up by vLLM's output handler at every call.
         processor.process_outputs = labelled_process_outputs
 
+    @property
+    def label(self) -> str:
+        """The label of the steps from the last change on."""
+        return self.changes[-1][1]
+
     def label_at(self, engine_time: float | None) -> str:
         """The label of a step that ended at ``engine_time`` on the engine core's clock (None: the current one)."""
         if engine_time is None:
@@ -161,7 +163,6 @@ class FrontLabels:
     async def set(self, label: str) -> None:
         """Change the label; called while generation is paused (module docstring), so it waits for nothing."""
         self.changes = [*self.changes[-(LABELS_KEPT - 1):], (time.monotonic(), label)]
-        self.label = label
 
     def spans(self, rid: str, output: Any) -> list[Span]:
         seen = self.starts.pop(rid, [])

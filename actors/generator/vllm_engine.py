@@ -478,7 +478,8 @@ class VLLMEngine(Engine):
         finally:
             await llm.resume_generation()
         t2 = time.perf_counter()
-        self.last_stage_s = t1 - t0 if tensors is not None else self.last_stage_s
+        if tensors is not None:
+            self.last_stage_s = t1 - t0
         # Stood still from t_still (until then the core finished its steps in flight: 50-100 ms of 512 sequences).
         self.last_swap_pause_s, self.last_load_s, self._version = t2 - t_still, float(load_s), version
         self._pauses, self._swaps = [*self._pauses[-63:], t2 - t_still], [*self._swaps[-63:], (version, time.time())]

@@ -173,10 +173,12 @@ class Work:
             try:
                 while (item := await self._next_or_abort(done, abort)) is not None:
                     ready, ended = [item], False
-                    while not done.empty() and not ended:  # the groups that ended with it go in the same round trip
+                    while not done.empty():  # the groups that ended with it go in the same round trip
                         more = done.get_nowait()
-                        ended = more is None
-                        ready += [] if more is None else [more]
+                        if more is None:
+                            ended = True
+                            break
+                        ready.append(more)
                     await self._push([(group[i], scored) for i, scored in ready], prompts, writer, time.time() - t0)
                     if ended:
                         break

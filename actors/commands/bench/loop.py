@@ -25,7 +25,8 @@ per generator; ``version_to_staged_s`` likewise to its hand-over to the engine, 
 the GPU or the CPU), ``learner_idle_frac`` (time waiting
 for rollouts), ``generator_idle_frac`` (time not generating, from the
 heartbeats' ``generate_s``), ``generator_loop_lag_ms`` (p50 and max over the heartbeats of each one's largest
-event-loop lateness since the previous: every RPC reply and swap of a generator waits that much more), ``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
+event-loop lateness since the previous: every RPC reply and swap of a generator waits that much more),
+``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
 ``peak_memory_gib`` (the learner's, GPU), ``learner_tokens_per_s_per_gpu`` and ``generator_tokens_per_s_per_gpu``
 (each side's tokens/s over its GPUs: the learner's ranks, the generators' distinct devices; on CUDA),
 ``generator_gpus_per_learner_gpu`` (the split those rates and idle fractions point to: :func:`split`),
