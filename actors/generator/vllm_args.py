@@ -7,8 +7,10 @@ Decided here, before any vLLM process starts, so that a bad combination fails at
 * **Prefix caching**: on unless routes are captured by hooks, which cannot see positions served from the cache.
 * **CPU**: eager by default, a head size vLLM's CPU attention has a kernel for, an explicit KV-cache size
   (vLLM's own CPU sizing reserves most of the node's memory).
-* Always: ``processed_logprobs`` (logprobs of the distribution sampled from), our worker extension, and any
-  ``engine_args`` passed through, their names checked against ``AsyncEngineArgs``.
+* Always: ``processed_logprobs`` (logprobs of the distribution sampled from), our worker extension, our scheduler
+  (:mod:`.vllm_scheduler`: a request's logprobs and routes sent once, with its last output, not with every step's),
+  and any ``engine_args`` passed through, their names checked against ``AsyncEngineArgs`` (``scheduler_cls``
+  among them replaces ours).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from actors.generator.config import VLLMEngineConfig
 from actors.generator.model_facts import ModelFacts
+from actors.generator.vllm_scheduler import SCHEDULER_CLS
 from async_rl.model.presets import is_preset, save_pretrained_dir, shared_preset_dir
 
 WORKER_EXTENSION = "actors.generator.vllm_worker.ArlWorkerExtension"
@@ -102,6 +105,7 @@ def build_vllm_args(config: VLLMEngineConfig, facts: ModelFacts) -> VLLMArgs:
         enable_prefix_caching=prefix_caching,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION,
+        scheduler_cls=SCHEDULER_CLS,
         disable_log_stats=True,
     )
     if kv_mib:
