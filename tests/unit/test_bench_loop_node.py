@@ -171,3 +171,18 @@ def test_generator_rate_averages_every_beat_of_each_generator_the_empty_ones_too
     assert loop.generator_rate(beats) == 1000.0 + 1000.0
     assert loop.generator_rate([beat("a", 0.0)]) is None
     assert loop.generator_rate([]) is None
+
+
+def test_generators_are_measured_while_the_learner_steps_not_during_its_final_checkpoint() -> None:
+    """Steps 1..5 at t=10..50; the generator busy throughout them, then idle for the learner's minute-long final
+    checkpoint (beats to t=110): busy, not half idle, and its rate that of the steps."""
+    from async_rl.servers.control import Heartbeat
+
+    events = [(10.0 * s, s, {"train_s": 1.0, "tokens": 100.0}) for s in range(1, 6)]
+    beats = [Heartbeat(generator_id="g", version=t // 10, sent_at=float(t), generate_s=float(min(t, 50)) - 10.0,
+                       tokens_per_s=0.0 if t > 50 else 2000.0, loop_lag_ms=900.0 if t > 50 else 5.0)
+             for t in range(10, 111, 5)]  # fmt: skip
+    out = loop.summarize(events, beats, 0, 0.0)
+    assert out["generator_idle_frac"] == pytest.approx(0.0)
+    assert out["generator_tokens_per_s"] == pytest.approx(2000.0)
+    assert out["generator_loop_lag_ms"] == {"p50": 5.0, "max": 5.0}

@@ -23,7 +23,7 @@ def _step_output(rid: str, step: int, *, routes_rows: int = 1, finished: bool = 
     token = 10 + step
     logprobs = LogprobsLists(np.array([[token]], dtype=np.int32), np.array([[-0.5 - step]], dtype=np.float32),
                              np.array([1 + step % 3], dtype=np.int32))  # fmt: skip
-    routes = (np.arange(routes_rows * LAYERS * TOP_K, dtype=np.uint8).reshape(routes_rows, LAYERS, TOP_K) + step)
+    routes = np.arange(routes_rows * LAYERS * TOP_K, dtype=np.uint8).reshape(routes_rows, LAYERS, TOP_K) + step
     return EngineCoreOutput(request_id=rid, new_token_ids=[token], new_logprobs=logprobs, routed_experts=routes,
                             finish_reason=FinishReason.LENGTH if finished else None)  # fmt: skip
 

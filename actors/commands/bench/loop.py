@@ -25,7 +25,9 @@ per generator; ``version_to_staged_s`` likewise to its hand-over to the engine, 
 the GPU or the CPU), ``learner_idle_frac`` (time waiting
 for rollouts), ``generator_idle_frac`` (time not generating, from the
 heartbeats' ``generate_s``), ``generator_loop_lag_ms`` (p50 and max over the heartbeats of each one's largest
-event-loop lateness since the previous: every RPC reply and swap of a generator waits that much more),
+event-loop lateness since the previous: every RPC reply and swap of a generator waits that much more); the
+generators' rates, idle share and lateness are of the heartbeats between the first steady step and the last (after
+it the learner saves its checkpoint, a minute of moe-5b, and generators with no prompts left counted as idle),
 ``reward_curve`` ([step, seconds, reward, exact match]), ``tokens_by_staleness``,
 ``peak_memory_gib`` (the learner's, GPU), ``learner_tokens_per_s_per_gpu`` and ``generator_tokens_per_s_per_gpu``
 (each side's tokens/s over its GPUs: the learner's ranks, the generators' distinct devices; on CUDA),
@@ -255,9 +257,10 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
         span = steady[-1][0] - steady[0][0]
         out["learner_idle_frac"] = min(1.0, sum(col("learner/wait_s")[1:]) / span) if span > 0 else None
     busy = []
-    start = steady[0][0] if steady else None
-    for gen in sorted({b.generator_id for b in beats}):
-        mine = [b for b in beats if b.generator_id == gen and (start is None or b.sent_at >= start)]
+    start, end = (steady[0][0], steady[-1][0]) if steady else (None, None)
+    during = [b for b in beats if start is None or start <= b.sent_at <= end]  # type: ignore[operator]
+    for gen in sorted({b.generator_id for b in during}):
+        mine = [b for b in during if b.generator_id == gen]
         if len(mine) >= 2 and mine[-1].sent_at > mine[0].sent_at:
             busy.append((mine[-1].generate_s - mine[0].generate_s) / (mine[-1].sent_at - mine[0].sent_at))
     out["generator_idle_frac"] = 1.0 - min(1.0, statistics.fmean(busy)) if busy else None
@@ -276,12 +279,12 @@ def summarize(events: list[tuple[float, int, dict[str, float]]], beats: list[Any
     out["swap_pause_ms"] = med(pause) if pause else None
     latest = {b.generator_id: b for b in live}
     steady_beats = [b for b in beats if start is None or b.sent_at >= start]
-    out["generator_tokens_per_s"] = generator_rate([b for b in steady_beats if b.version >= 0] or live)
+    out["generator_tokens_per_s"] = generator_rate([b for b in during if b.version >= 0] or live)
     out["version_to_applied_s"] = version_to_applied(steady_beats)
     out["version_to_staged_s"] = _latencies(steady_beats, "staged_latency_s")
     out["standby_load_s"] = _latencies(steady_beats, "standby_load_s")
     out["swap_wait_s"] = _latencies(steady_beats, "swap_wait_s")
-    lags = [b.loop_lag_ms for b in steady_beats if b.version >= 0]
+    lags = [b.loop_lag_ms for b in during if b.version >= 0]
     out["generator_loop_lag_ms"] = {"p50": _quantile(lags, 0.5), "max": max(lags)} if lags else None
     out["generators_seen"] = sorted(latest)
     return out
