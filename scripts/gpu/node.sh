@@ -73,7 +73,7 @@ profile_gen0() {  # NODE_PROFILE_S seconds of py-spy on gen-0's front end and en
     local i p c
     for i in $(seq 600); do  # until the learner's 5th step; not at all if bench loop ended first
         [ -e "$run_dir.ended" ] && return 0
-        [ "$(wc -l < "$run_dir/metrics.jsonl" 2>/dev/null || echo 0)" -ge 5 ] && break
+        [ "$(grep -c "actors.learner.loop: step" "$run_dir/learner.log" 2>/dev/null)" -ge 5 ] && break
         sleep 1
     done
     p=$(pgrep -f "^[^ ]*python[0-9.]* -m actors.commands generator .*generator_id=gen-0" | head -1)
