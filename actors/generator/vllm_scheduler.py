@@ -4,8 +4,8 @@ vLLM sends every running request's new logprobs (three small arrays: token ids, 
 (one array) with every step's outputs: the engine core slices and encodes, the front end decodes and appends about
 four arrays per request per step. At 512 sequences of moe-5b on one H100 that work paced decoding: the project's
 engine made 13.3k tokens/s where plain ``LLM.generate`` (no logprobs, no routes) made 42.2k
-(docs/benchmarks/generate-h100x1-moe-5b-per-step-2026-11-28.json); on the CPU (vLLM 0.32), asking for the sampled token's
-logprob tripled the front end's CPU time per token.
+(docs/benchmarks/generate-h100x1-moe-5b-per-step-2026-11-28.json); on the CPU (vLLM 0.32, 512 sequences), asking for
+the sampled token's logprob took the front end's CPU time from 0.29-0.35 s to 0.81-1.44 s (0.30-0.49 s held here).
 
 The generator asks for final outputs only (``RequestOutputKind.FINAL_ONLY``), so nothing reads those arrays before a
 request finishes. This scheduler keeps them in the engine core instead and puts them, concatenated, into the

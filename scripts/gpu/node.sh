@@ -47,6 +47,9 @@
 # learner waited 0.55: one H100 generated 11.7-15k tokens/s of moe-5b with 512 sequences running (vLLM's line), the
 # two learner GPUs train ~29k. With two generators
 # (node-h100x4-moe-5b-learner2-gen2-2026-11-27.json) the learner waited 0.15 and the generators idled 0.41.
+# With a request's logprobs and routes sent once, at its end (actors/generator/vllm_scheduler.py), a generator decodes
+# 15-27k tokens/s: the learner waited 0.064 with two generators, 0.17 with one (NODE_GEN_DEVICES=cuda:2), on four
+# H100s (...-hold-until-final-2026-11-28.json; their generator idle shares counted the final checkpoint: docs/gpus.md).
 # vLLM's own throughput line (running and waiting requests, KV cache use) is logged every 5 s
 # (vllm.engine_args.disable_log_stats=false) and copied into node-process-logs.txt.
 # Every generator is on this node and takes versions over CUDA IPC, so the learner publishes no host copies
@@ -73,7 +76,7 @@ profile_gen0() {  # NODE_PROFILE_S seconds of py-spy on gen-0's front end and en
     local i p c
     for i in $(seq 600); do  # until the learner's 5th step; not at all if bench loop ended first
         [ -e "$run_dir.ended" ] && return 0
-        [ "$(grep -c "actors.learner.loop: step" "$run_dir/learner.log" 2>/dev/null)" -ge 5 ] && break
+        [ "$(grep -c "learner.loop: step" "$run_dir/learner.log" 2>/dev/null)" -ge 5 ] && break
         sleep 1
     done
     p=$(pgrep -f "^[^ ]*python[0-9.]* -m actors.commands generator .*generator_id=gen-0" | head -1)
