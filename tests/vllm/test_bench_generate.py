@@ -31,3 +31,16 @@ def test_profile_needs_the_plain_engine(capsys) -> None:
     with pytest.raises(SystemExit):
         generate.parse_args(["--engines", "vllm", "--profile"], "bench generate")
     assert "--profile profiles the vllm-raw engine" in capsys.readouterr().err
+
+
+def test_the_engine_with_and_without_holding_logprobs_until_the_end(tmp_path: Path) -> None:
+    """The project's engine (its scheduler holds each request's logprobs and routes until its last output) and the same
+    engine on vLLM's own scheduler (sent every step): every token of both, and their ratio in the summary."""
+    out = tmp_path / "gen.json"
+    rc = generate.main(["--model", "tiny-moe", "--engines", "vllm,vllm-per-step", "--device", "cpu",
+                        "--prompts", "3", "--prompt-tokens", "8", "--new-tokens", "6", "--json", str(out)])  # fmt: skip
+    summary = json.loads(out.read_text())
+    assert rc == 0 and summary["failures"] == []
+    assert [r["engine"] for r in summary["results"]] == ["vllm", "vllm-per-step"]
+    assert all(r["tokens"] == r["expected_tokens"] == 18 for r in summary["results"])
+    assert summary["ratios"]["vllm_vs_per_step"] > 0

@@ -6,6 +6,9 @@ Engines, each in a process of its own (one after the other, so each has the GPU 
 * ``vllm``: the project's vLLM engine as a generator runs it (logprobs of every token, per-token versions,
   routes as ``vllm.routes=auto`` resolves them: vLLM's native routed experts on CUDA);
 * ``vllm-noroutes``: the same with routes off;
+* ``vllm-per-step``: the project's engine with vLLM's own scheduler, which sends every running request its logprobs
+  and routes with every step (the project's holds them until a request's last output:
+  :mod:`actors.generator.vllm_scheduler`);
 * ``vllm-raw``: plain ``vllm.LLM.generate`` on the same model directory (no logprobs, no routes).
 
 With ``--profile`` the ``vllm-raw`` engine runs in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's
@@ -24,7 +27,8 @@ batch); the timed call is one batch of all prompts. ``tokens_per_s`` counts gene
     async-rl bench generate --json docs/benchmarks/generate-h100-moe-1.6b.json --model moe-1.6b
 
 Summary: ``bench`` ("generate"), ``machine``, the workload, ``results`` (one per engine: ``engine``,
-``tokens_per_s``, ``wall_s``, ``tokens``, ``startup_s``) and ``ratios`` (``vllm_vs_torch``, ``vllm_vs_raw``).
+``tokens_per_s``, ``wall_s``, ``tokens``, ``startup_s``) and ``ratios`` (``vllm_vs_torch``, ``vllm_vs_raw``,
+``vllm_noroutes_vs_raw``, ``vllm_vs_per_step``: those of the engines run).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 
 from async_rl.entry import first_sentence
 
-ENGINES = ("torch", "vllm", "vllm-noroutes", "vllm-raw")
+ENGINES = ("torch", "vllm", "vllm-noroutes", "vllm-per-step", "vllm-raw")
 WARMUP_PROMPTS = 8
 WARMUP_TOKENS = 16
 RESULT_PREFIX = "BENCH-GENERATE-RESULT "
@@ -116,7 +120,8 @@ async def _run_project_engine(engine_name: str, model_dir: Path, args: argparse.
         engine = VLLMEngine(VLLMEngineConfig(
             model=model, max_batch_prompts=len(prompts), max_num_seqs=len(prompts), max_model_len=_max_len(args),
             gpu_memory_utilization=args.gpu_memory_utilization, stop_on_eos=False, seed=args.seed,
-            routes="off" if engine_name == "vllm-noroutes" else "auto"))  # fmt: skip
+            routes="off" if engine_name == "vllm-noroutes" else "auto",
+            engine_args={"scheduler_cls": None} if engine_name == "vllm-per-step" else {}))  # fmt: skip
     startup_s = time.perf_counter() - t0
     try:
         warm = SamplingParams(max_new_tokens=WARMUP_TOKENS, mask_special_tokens=False)
@@ -234,6 +239,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench generate") -
         ratios["vllm_vs_raw"] = round(rate["vllm"] / rate["vllm-raw"], 3)
     if "vllm-noroutes" in rate and "vllm-raw" in rate:
         ratios["vllm_noroutes_vs_raw"] = round(rate["vllm-noroutes"] / rate["vllm-raw"], 3)
+    if "vllm" in rate and "vllm-per-step" in rate:
+        ratios["vllm_vs_per_step"] = round(rate["vllm"] / rate["vllm-per-step"], 3)
     summary = {"bench": "generate", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(args.device),
                "model": args.model, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                "new_tokens": args.new_tokens, "temperature": 1.0, "results": results, "ratios": ratios,
