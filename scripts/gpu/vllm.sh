@@ -6,7 +6,8 @@
 #       generate  bench generate on moe-1.6b: torch engine, the project's vLLM engine, plain LLM.generate (GEN_MODEL,
 #                 GEN_ENGINES, GEN_PROMPTS, GEN_NEW_TOKENS change them; the node's generator, 512 sequences of 128
 #                 tokens on moe-5b, routes on and off: GEN_MODEL=moe-5b GEN_ENGINES=vllm,vllm-noroutes,vllm-raw
-#                 GEN_PROMPTS=512 GEN_NEW_TOKENS=128; GEN_PROFILE=1: where plain vLLM's decoding time goes)
+#                 GEN_PROMPTS=512 GEN_NEW_TOKENS=128; vllm-per-step: logprobs and routes sent every step, as vLLM's
+#                 own scheduler does; GEN_PROFILE=1: where plain vLLM's decoding time goes)
 #       loop      bench loop on moe-1.6b: Megatron learner on GPU 0, a vLLM generator on GPU 1 (checkpoints every
 #                 LOOP_CHECKPOINT_EVERY=100 steps: a Megatron checkpoint of this model takes ~40 s, the generator idles)
 #       mismatch  scripts/gpu/mismatch.py on moe-107m: each engine's logprobs against each learner backend's
