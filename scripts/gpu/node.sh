@@ -90,6 +90,7 @@ profile_gen0() {  # NODE_PROFILE_S seconds of py-spy on gen-0's front end and en
     wait
     for who in front core; do  # the raw files are over what a device call brings back
         python3 "$(dirname "$0")/pyspy_summary.py" "/tmp/gen0-$who.txt" > "$out/pyspy-gen0-$who.txt" 2>&1
+        { echo "== py-spy's own output, its last lines"; tail -8 "/tmp/gen0-$who-pyspy.log"; } >> "$out/pyspy-gen0-$who.txt"
     done
 }
 [ "${NODE_PROFILE_S:-0}" -gt 0 ] && { profile_gen0 & }
