@@ -73,10 +73,11 @@ batch_prompts=${NODE_GEN_BATCH_PROMPTS:-16}
 batches=${NODE_GEN_BATCHES:-4}
 seqs=${NODE_GEN_SEQS:-$((batches * batch_prompts * 8))}  # 8: bench loop's sampling.n
 profile_gen0() {  # NODE_PROFILE_S seconds of py-spy on gen-0's front end and engine core, from the learner's 5th step
-    local i p c
+    local i n p c
     for i in $(seq 600); do  # until the learner's 5th step; not at all if bench loop ended first
         [ -e "$run_dir.ended" ] && return 0
-        [ "$(grep -c "learner.loop: step" "$run_dir/learner.log" 2>/dev/null)" -ge 5 ] && break
+        n=$(grep -sc "learner.loop: step" "$run_dir/learner.log")  # empty until the learner's log exists
+        [ "${n:-0}" -ge 5 ] && break
         sleep 1
     done
     p=$(pgrep -f "^[^ ]*python[0-9.]* -m actors.commands generator .*generator_id=gen-0" | head -1)
