@@ -1,11 +1,14 @@
-"""``bench backends --profile``'s summary on the CPU: kernel kinds by name, the GPU's busy time as a union."""
+"""``bench backends --profile``'s summary on the CPU: kernel kinds by name, the GPU's busy time as a union, host syncs
+counted by the code that caused them."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 
-from actors.commands.bench.step_profile import busy_time, categorise, top_ops
+from actors.commands.bench.step_profile import SYNC_WARNING, busy_time, categorise, recording_sync_sites, top_ops
 
 
 @pytest.mark.parametrize(
@@ -52,3 +55,17 @@ def test_top_ops_names_the_op_and_its_shapes() -> None:
     assert [o["s"] for o in ops] == sorted((o["s"] for o in ops), reverse=True)
     mm = next(o for o in ops if o["op"] == "aten::mm")
     assert mm["calls"] == 3 and mm["shapes"] == [[64, 256], [256, 64]]
+
+
+def _waits_on_the_device() -> None:
+    warnings.warn(f"called a {SYNC_WARNING}", UserWarning, stacklevel=1)  # what torch warns in sync debug mode
+
+
+def test_sync_sites_name_the_frame_that_waited_and_let_other_warnings_through() -> None:
+    line = _waits_on_the_device.__code__.co_firstlineno + 1
+    with pytest.warns(DeprecationWarning, match="not a sync"), recording_sync_sites() as sites:
+        for _ in range(3):
+            _waits_on_the_device()
+        warnings.warn("not a sync", DeprecationWarning, stacklevel=1)
+        _waits_on_the_device()
+    assert sites.top() == [{"site": f"tests/unit/test_step_profile.py:{line} _waits_on_the_device", "calls": 4}]

@@ -40,7 +40,7 @@ from actors.commands.bench.backend_shapes import (
     padding_frac,
     sequence_lengths,
 )
-from actors.commands.bench.step_profile import format_profile, profile_step
+from actors.commands.bench.step_profile import format_profile, profile_step, sync_sites
 from async_rl.entry import first_sentence
 
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
@@ -231,9 +231,12 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
                 step = partial(meg.train_step, mbs, nll_loss, replay_routes=True)
                 if rank == 0:  # the step is collective: the other ranks run it unprofiled
                     rows[-1]["profile"] = profile_step(step)
-                    print(format_profile("megatron", rows[-1]["profile"]), flush=True)
                 else:
                     step()
+                sites = sync_sites(step)  # every rank
+                if rank == 0:
+                    rows[-1]["profile"]["sync_sites"] = sites
+                    print(format_profile("megatron", rows[-1]["profile"]), flush=True)
             meg.close()
             del meg
             torch.cuda.empty_cache()
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench backends") -
                 logits = f"logprob chunks of {chunk}" if chunk else "full logits"
                 record("torch", f"HF model, replay, recompute={ckpt}, {logits}", times)
                 if args.profile and not ckpt and chunk == chunk_settings[0]:
-                    rows[-1]["profile"] = profile_step(partial(tb.train_step, mbs, nll_loss, replay_routes=True))
+                    step = partial(tb.train_step, mbs, nll_loss, replay_routes=True)
+                    rows[-1]["profile"] = {**profile_step(step), "sync_sites": sync_sites(step)}
                     print(format_profile("torch", rows[-1]["profile"]), flush=True)
                 del tb, model
                 torch.cuda.empty_cache()

@@ -16,13 +16,19 @@ summary, which ``bench backends --profile`` stores in each profiled row and prin
   kind of kernel in ``top`` comes from (which matmul, which copy). No Python stacks: recording them slowed the
   profiled step by a third (505 against 368 ms on two H200s) and they came back empty for most GPU ops.
 
+:func:`sync_sites` runs the step once more under torch's CUDA sync debug mode and counts the host waits by the code
+that caused them (the innermost frame outside torch): where ``syncs`` come from, which the profiler cannot say.
+
 :func:`categorise` and :func:`top_ops` are tested on the CPU; the rest needs a CUDA device.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 KINDS: tuple[tuple[str, str], ...] = (
@@ -113,6 +119,66 @@ def profile_step(step: Callable[[], object], *, top: int = 30) -> dict[str, Any]
     }
 
 
+SYNC_WARNING = "synchronizing CUDA operation"
+"""What torch's CUDA sync debug mode warns at every host wait on the device."""
+
+
+class SyncSites:
+    """Host syncs counted by site: the innermost frame of the warning's stack outside torch, ``warnings`` and this
+    module (``path:line function``, the path's last three parts). Syncs of a backward pass are warned when it returns,
+    at the call of ``backward``."""
+
+    counts: dict[str, int]
+
+    def __init__(self) -> None:
+        self.counts = {}
+
+    def note(self, stack: list[traceback.FrameSummary]) -> None:
+        skip = ("/torch/", "/warnings.py", __file__)
+        frame = next((f for f in reversed(stack) if not any(s in f.filename for s in skip)), stack[-1])
+        site = f"{'/'.join(frame.filename.split('/')[-3:])}:{frame.lineno} {frame.name}"
+        self.counts[site] = self.counts.get(site, 0) + 1
+
+    def top(self, n: int = 15) -> list[dict[str, Any]]:
+        """The ``n`` sites with the most syncs, most first."""
+        return [{"site": k, "calls": c} for k, c in sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]]
+
+
+@contextmanager
+def recording_sync_sites() -> Iterator[SyncSites]:
+    """Every :data:`SYNC_WARNING` warned inside goes to the yielded :class:`SyncSites` (other warnings as before)."""
+    sites = SyncSites()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+            if SYNC_WARNING in str(message):
+                sites.note(traceback.extract_stack()[:-1])
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield sites
+
+
+def sync_sites(step: Callable[[], object], *, top: int = 15) -> dict[str, Any]:
+    """Run ``step`` once under torch's CUDA sync debug mode (``warn``): ``{"syncs": total, "sites": [{"site",
+    "calls"}]}`` (:class:`SyncSites`). Needs a CUDA device; a collective step is run on every rank."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.get_sync_debug_mode()
+    with recording_sync_sites() as sites:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    torch.cuda.synchronize()
+    return {"syncs": sum(sites.counts.values()), "sites": sites.top(top)}
+
+
 def top_ops(events: Any, *, top: int = 30, time_attr: str = "self_device_time_total") -> list[dict[str, Any]]:
     """The ``top`` ATen ops (``aten::``) of a profile's ``events()`` (recorded with ``record_shapes``) by their own
     kernels' time (``time_attr``, microseconds), grouped by op and input shapes: op, calls, seconds, shapes (the
@@ -140,6 +206,9 @@ def format_profile(label: str, p: dict[str, Any]) -> str:
         "    by kind: " + ", ".join(f"{k} {v['s'] * 1e3:.1f} ms" for k, v in p["by_kind"].items()),
     ]
     lines += [f"    {t['s'] * 1e3:8.2f} ms {t['calls']:5d}x  {t['name'][:90]}" for t in p["top"][:15]]
+    if p.get("sync_sites"):
+        lines += [f"    host syncs by site ({p['sync_sites']['syncs']} in all):"]
+        lines += [f"    {x['calls']:5d}x  {x['site']}" for x in p["sync_sites"]["sites"]]
     lines += ["    ops:"] + [
         f"    {o['s'] * 1e3:8.2f} ms {o['calls']:5d}x  {o['op']} {o['shapes']}"[:200] for o in p.get("ops", [])[:15]
     ]
