@@ -367,3 +367,20 @@ def test_reference_model_gives_the_initial_policy_after_training() -> None:
     assert _valid_diff(live, initial, mb.loss_mask) > 1e-2  # training moved the live policy
     assert torch.equal(mg.forward_logprobs(mb, replay_routes=False).logprobs, live)  # swapped back exactly
     mg.close()
+
+
+def test_host_counts_reach_the_gpu_without_a_host_wait() -> None:
+    """Under expert parallelism megatron's dispatcher gives the experts their counts on the host: the copy back to the
+    GPU for the grouped GEMM's offsets must not wait for the GPU to drain (a plain copy does: torch raises here)."""
+    from actors.learner.megatron.spec import device_counts
+
+    counts = torch.tensor([3, 0, 5, 1], dtype=torch.int64)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            counts.to(device=dev, dtype=torch.int32)
+        got = device_counts(counts, dev)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.dtype == torch.int32 and got.device == dev and got.tolist() == [3, 0, 5, 1]

@@ -20,7 +20,10 @@ the GPU idle most of a training step. With ``experts="grouped"`` the local spec 
 (``weight1 [E_local, 2*ffn/etp, h]`` = per expert ``[gate; up]`` as in ``linear_fc1``, ``weight2
 [E_local, h, ffn/etp]`` as in ``linear_fc2``) and one grouped GEMM per projection (PyTorch
 ``grouped_mm``, bf16; a per-expert loop for other dtypes). Routing weights are applied to the
-activation before ``fc2``, exactly where megatron's ``MLP`` applies them.
+activation before ``fc2``, exactly where megatron's ``MLP`` applies them. Under expert parallelism megatron's
+dispatcher hands the experts their token counts on the host (it waited for them before its all-to-all); they go
+back to the GPU for the grouped GEMM's offsets through pinned memory (:func:`device_counts`): a plain copy from
+pageable memory waits for the GPU to drain, one more host wait a layer and micro-batch.
 """
 
 from __future__ import annotations
@@ -50,6 +53,14 @@ class TorchRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def device_counts(tokens_per_expert: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The experts' token counts as int32 on ``device``, without a host wait: counts on the host (megatron's
+    dispatcher under expert parallelism) are copied from pinned memory, asynchronously; counts on a device stay."""
+    if tokens_per_expert.device.type == "cpu" and device.type == "cuda":
+        return tokens_per_expert.to(torch.int32).pin_memory().to(device, non_blocking=True)
+    return tokens_per_expert.to(device=device, dtype=torch.int32)
 
 
 def sdpa_attention_class():  # type: ignore[no-untyped-def]
@@ -123,7 +134,7 @@ def grouped_experts_class():  # type: ignore[no-untyped-def]
                 setattr(w, "allreduce", not expert_pgs)  # noqa: B010 - expert-DP gradient reduction, like megatron's
 
         def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):  # type: ignore[no-untyped-def]
-            counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int32)
+            counts = device_counts(tokens_per_expert, hidden.device)
             if hidden.dtype == torch.bfloat16:
                 offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
                 inter = grouped_mm(hidden, self.weight1.transpose(1, 2), offs=offs)
