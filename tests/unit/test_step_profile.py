@@ -8,7 +8,14 @@ import warnings
 import pytest
 import torch
 
-from actors.commands.bench.step_profile import SYNC_WARNING, busy_time, categorise, recording_sync_sites, top_ops
+from actors.commands.bench.step_profile import (
+    SYNC_WARNING,
+    busy_time,
+    categorise,
+    device_intervals,
+    recording_sync_sites,
+    top_ops,
+)
 
 
 @pytest.mark.parametrize(
@@ -69,3 +76,24 @@ def test_sync_sites_name_the_frame_that_waited_and_let_other_warnings_through() 
         warnings.warn("not a sync", DeprecationWarning, stacklevel=1)
         _waits_on_the_device()
     assert sites.top() == [{"site": f"tests/unit/test_step_profile.py:{line} _waits_on_the_device", "calls": 4}]
+
+
+def _event(name: str, start_us: int, end_us: int, device: str = "DeviceType.CUDA", annotation: bool = False):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    span = SimpleNamespace(start=start_us, end=end_us, elapsed_us=lambda: end_us - start_us)
+    return SimpleNamespace(name=name, device_type=device, time_range=span, is_user_annotation=annotation)
+
+
+def test_a_collective_counts_once_not_with_the_range_torch_marks_around_it() -> None:
+    events = [
+        _event("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 100, 400),
+        _event("nccl:all_to_all", 100, 400),  # torch's device-side range around the same kernel
+        _event("gpu_user_range", 500, 900, annotation=True),
+        _event("void at::native::vectorized_elementwise_kernel<4>", 400, 450),
+        _event("cudaStreamSynchronize", 0, 10, device="DeviceType.CPU"),
+        _event("cudaMemcpyAsync", 20, 30, device="DeviceType.CPU"),  # short: a copy, not a wait
+    ]
+    kernels, syncs = device_intervals(events)
+    assert [k[0] for k in kernels] == [events[0].name, events[3].name]
+    assert kernels[0][1:] == pytest.approx((100e-6, 400e-6)) and syncs == 1

@@ -65,6 +65,22 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def device_intervals(events: Any) -> tuple[list[tuple[str, float, float]], int]:
+    """A profile's kernels (name, start s, end s) and its host syncs. A range torch marks on the device around a
+    collective (``nccl:all_to_all``, a user annotation spanning its kernel) is not a kernel: counted, it doubled every
+    collective's time."""
+    kernels: list[tuple[str, float, float]] = []
+    syncs = 0
+    for ev in events:
+        dev_type = str(getattr(ev, "device_type", ""))
+        if dev_type.endswith("CUDA") and ev.time_range.elapsed_us() > 0:
+            if not (getattr(ev, "is_user_annotation", False) or ev.name.startswith("nccl:")):
+                kernels.append((ev.name, ev.time_range.start / 1e6, ev.time_range.end / 1e6))
+        elif ev.name in _SYNC_CALLS or (ev.name == "cudaMemcpyAsync" and ev.time_range.elapsed_us() > 50):
+            syncs += 1
+    return kernels, syncs
+
+
 def profile_step(step: Callable[[], object], *, top: int = 30) -> dict[str, Any]:
     """Profile one call of ``step`` (a training step, a batch's generation) and summarise it (see the module doc)."""
     import time
@@ -82,14 +98,7 @@ def profile_step(step: Callable[[], object], *, top: int = 30) -> dict[str, Any]
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernels: list[tuple[str, float, float]] = []
-    syncs = 0
-    for ev in prof.events():
-        dev_type = str(getattr(ev, "device_type", ""))
-        if dev_type.endswith("CUDA") and ev.time_range.elapsed_us() > 0:
-            kernels.append((ev.name, ev.time_range.start / 1e6, ev.time_range.end / 1e6))
-        elif ev.name in _SYNC_CALLS or (ev.name == "cudaMemcpyAsync" and ev.time_range.elapsed_us() > 50):
-            syncs += 1
+    kernels, syncs = device_intervals(prof.events())
     by_name: dict[str, list[float]] = {}
     by_kind: dict[str, float] = {}
     for name, s, e in kernels:
