@@ -384,3 +384,19 @@ def test_host_counts_reach_the_gpu_without_a_host_wait() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert got.dtype == torch.int32 and got.device == dev and got.tolist() == [3, 0, 5, 1]
+
+
+def test_the_clipping_norm_is_megatron_s_own_without_a_host_wait() -> None:
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    from actors.learner.megatron.grad_norm import device_l2_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grads = [torch.randn(n, 257, device="cuda", generator=g) for n in (1, 64, 300)]
+    theirs, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ours, _ = device_l2_norm(2048 * 32, None, [grads], False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ours.device.type == "cuda" and torch.allclose(ours, theirs, rtol=1e-6, atol=0)

@@ -11,6 +11,7 @@ import torch
 
 from actors.learner.megatron.convert import hf_to_mcore, local_state, shard
 from actors.learner.megatron.dispatcher import use_local_dispatchers
+from actors.learner.megatron.grad_norm import use_device_grad_norm
 from actors.learner.megatron.logits import batch_major_logits
 from actors.learner.megatron.spec import STACKED_EXPERTS, decoder_block_spec
 from actors.learner.megatron.weights import MegatronWeights
@@ -112,6 +113,7 @@ class MegatronBuild(MegatronWeights):
                              bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
                              use_distributed_optimizer=c.distributed_optimizer)  # fmt: skip
         self.optimizer = get_megatron_optimizer(oc, [self.ddp])
+        use_device_grad_norm()  # the clipping norm without a host wait per gradient tensor (grad_norm.py)
         # Without TE or Apex megatron builds torch's AdamW with its default multi-tensor (foreach) kernels; the fused
         # one updates each group in one launch and is what TE's FusedAdam would be (the optimizer step of the Qwen3-30B-A3B
         # slice in `bench backends --profile`: 51 -> 20 ms).
