@@ -33,9 +33,10 @@ def test_profile_needs_the_plain_engine(capsys) -> None:
     assert "--profile profiles the vllm-raw engine" in capsys.readouterr().err
 
 
-def test_the_engine_with_and_without_holding_logprobs_until_the_end(tmp_path: Path) -> None:
+def test_the_engine_with_and_without_holding_logprobs_until_the_end(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """The project's engine (its scheduler holds each request's logprobs and routes until its last output) and the same
-    engine on vLLM's own scheduler (sent every step): every token of both, and their ratio in the summary."""
+    engine on vLLM's own scheduler (sent every step): every token of both, and their ratio in the summary; each
+    engine's rate is said as it finishes (a run cut off before the summary still tells it)."""
     out = tmp_path / "gen.json"
     rc = generate.main(["--model", "tiny-moe", "--engines", "vllm,vllm-per-step", "--device", "cpu",
                         "--prompts", "3", "--prompt-tokens", "8", "--new-tokens", "6", "--json", str(out)])  # fmt: skip
@@ -44,3 +45,5 @@ def test_the_engine_with_and_without_holding_logprobs_until_the_end(tmp_path: Pa
     assert [r["engine"] for r in summary["results"]] == ["vllm", "vllm-per-step"]
     assert all(r["tokens"] == r["expected_tokens"] == 18 for r in summary["results"])
     assert summary["ratios"]["vllm_vs_per_step"] > 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.endswith(" tokens/s")]
+    assert [line.split(":")[1].strip() for line in said] == ["vllm", "vllm-per-step"]

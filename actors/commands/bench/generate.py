@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench generate") -
                 print(f"bench generate: {engine} failed (exit {rc}):\n" + "\n".join(tail), file=sys.stderr)
             if lines:
                 results.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
+                r = results[-1]  # said now: a run cut off later (a device call's limit) still tells this engine's rate
+                print(f"bench generate: {engine}: {r['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
     rate = {r["engine"]: r["tokens_per_s"] for r in results}
     ratios = {}
     if "vllm" in rate and "torch" in rate:
