@@ -46,6 +46,31 @@ def _shard_tensors(sub: Any, names: dict[int, str]) -> Iterator[tuple[str, dict[
         yield names[id(param)], sub._get_main_param_and_optimizer_states(param)
 
 
+def _main_param(sub: Any, param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's fp32 shard of ``param`` in ``sub``'s inner optimizer, found without reading the optimizer's state."""
+    group_index, group_order = sub.model_param_group_index_map[param]
+    return sub.optimizer.param_groups[group_index]["params"][group_order]  # type: ignore[no-any-return]
+
+
+def check_shards(subs: list[Any], shards: list[dict[str, dict[str, torch.Tensor]]], names: dict[int, str],
+                 where: str) -> None:  # fmt: skip
+    """ValueError unless ``shards`` hold exactly this rank's parameters, each shard of this rank's extent. Reads no
+    optimizer state: torch's is a defaultdict, and an entry made by reading it tells megatron's ``load_state_dict``
+    that the state exists, so that it allocates no moments and the first step after the resume fails (KeyError
+    ``exp_avg``)."""
+    if len(shards) != len(subs):
+        raise ValueError(f"{where} has {len(shards)} optimizer shard sets, this layout builds {len(subs)} optimizers")
+    for sub, shard in zip(subs, shards, strict=True):  # every shard's extent checked before anything is written
+        if set(shard) != {names[id(p)] for p in sub.model_param_group_index_map}:
+            raise ValueError(f"{where}: its optimizer shards name other parameters than this rank's: resume on the "
+                             "layout that wrote it")  # fmt: skip
+        for param in sub.model_param_group_index_map:
+            name, saved = names[id(param)], shard[names[id(param)]]
+            if "param" not in saved or saved["param"].shape != _main_param(sub, param).shape:
+                raise ValueError(f"{where}: the optimizer shard of {name} does not match this rank's (another "
+                                 "data-parallel size or layout wrote it): resume on the layout that wrote it")  # fmt: skip
+
+
 def save_entries(optimizer: Any, model: torch.nn.Module) -> dict[str, Any]:
     """The checkpoint file's optimizer entries for this rank."""
     if not is_distributed(optimizer):
@@ -74,17 +99,7 @@ def load_entries(optimizer: Any, model: torch.nn.Module, entries: dict[str, Any]
         return
     subs = parts(optimizer)
     names = {id(p): n for n, p in model.named_parameters()}
-    if len(shards) != len(subs):
-        raise ValueError(f"{where} has {len(shards)} optimizer shard sets, this layout builds {len(subs)} optimizers")
-    for sub, shard in zip(subs, shards, strict=True):  # every shard's extent checked before anything is written
-        if set(shard) != {names[id(p)] for p in sub.model_param_group_index_map}:
-            raise ValueError(f"{where}: its optimizer shards name other parameters than this rank's: resume on the "
-                             "layout that wrote it")  # fmt: skip
-        for name, tensors in _shard_tensors(sub, names):
-            saved = shard[name]
-            if "param" not in saved or saved["param"].shape != tensors["param"].shape:
-                raise ValueError(f"{where}: the optimizer shard of {name} does not match this rank's (another "
-                                 "data-parallel size or layout wrote it): resume on the layout that wrote it")  # fmt: skip
+    check_shards(subs, shards, names, where)
     optimizer.load_state_dict(entries[KEY])  # step counts, hyperparameters; allocates the state it then fills
     with torch.no_grad():
         for sub in subs:  # megatron hands every parameter the same step tensor: each its own, as a step leaves them
