@@ -110,15 +110,17 @@ def test_a_renewer_started_late_renews_on_the_lease_s_cadence_not_an_interval_la
                                                                                      ) -> None:  # fmt: skip
     # The learner takes the lease, builds its backend (a renewing thread), then starts its loop (another): a hand-off
     # late in an interval must renew at once, or the lease lapses before the new renewer's first turn.
-    a = RunLease(servers.redis_url, names, LeaseConfig(ttl_s=3.0), run_dir="runs/a")
+    # A TTL of 6 s (renewals every 2 s) leaves the new renewer 1.5 s before the lease lapses: a loaded machine's late
+    # thread start fits in it, and a renewer on the old cadence (its first renewal 2 s after its start) does not.
+    a = RunLease(servers.redis_url, names, LeaseConfig(ttl_s=6.0), run_dir="runs/a")
     a.take()
-    time.sleep(2.5)  # past the first renewal's time (1 s), 0.5 s before the lease expires
+    time.sleep(4.5)  # past the first renewal's time (2 s), 1.5 s before the lease expires
     r = redis.Redis.from_url(servers.redis_url)
     with a.kept_alive():
-        deadline = time.monotonic() + 0.45  # the old cadence's first renewal would come 1 s after this start
-        while r.pttl(names.learner_lease) < 2000 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 1.4  # before the lapse, and well before the old cadence's 2 s
+        while r.pttl(names.learner_lease) < 4000 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert r.pttl(names.learner_lease) >= 2000, "not renewed at once: the lease would have lapsed"
+        assert r.pttl(names.learner_lease) >= 4000, "not renewed at once: the lease would have lapsed"
     r.close()
     a.release()
 
