@@ -103,13 +103,27 @@ def version_labels(llm: Any, mode: LabelMode, label: str) -> EngineLabels | Fron
 
 
 class EngineLabels:
-    """vLLM's own labels (0.27+): the label goes to the engine core, the spans come back on the final output."""
+    """vLLM's own labels (0.27+): the label goes to the engine core, the spans come back on the final output. A swap
+    the engine core makes itself (:mod:`.vllm_swap`) labels there too: ``expect``, ``resolve``, ``abandon`` and
+    ``settled`` have nothing to do."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
     async def set(self, label: str) -> None:
         await self.llm.update_weight_version(label)
+
+    def expect(self) -> None:
+        pass
+
+    def resolve(self, engine_time: float, label: str) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
+
+    async def settled(self) -> None:
+        pass
 
     def spans(self, rid: str, output: Any) -> list[Span]:
         return [(str(s.version), int(s.start), int(s.end)) for s in output.weight_versions or ()]
@@ -125,16 +139,25 @@ class FrontLabels:
     """External request id -> ``(label, output tokens before it)`` at each label change the request saw."""
     changes: list[tuple[float, str]]
     """``(monotonic time, label)`` of the last :data:`LABELS_KEPT` changes, oldest first."""
+    pending: dict[str, list[tuple[float, int]]] | None
+    """While the engine core makes a swap of its own (:meth:`expect` to :meth:`resolve`): external request id ->
+    ``(engine time, output tokens before it)`` of each output of a step that ended since the swap was asked for."""
 
     def __init__(self, llm: Any, label: str) -> None:
+        import asyncio
+
         self.starts = {}
         self.changes = [(float("-inf"), label)]
+        self.pending, self._asked, self._settled = None, 0.0, asyncio.Event()
+        self._settled.set()
         processor = llm.output_processor
         process_outputs = processor.process_outputs
 
         def labelled_process_outputs(outputs: Any, engine_core_timestamp: float | None = None, *args: Any,
                                      **kwargs: Any) -> Any:  # fmt: skip
-            label = self.label_at(engine_core_timestamp)
+            t = engine_core_timestamp
+            label = self.label_at(t)
+            pending = self.pending if t is not None and t >= self._asked else None
             for out in outputs:
                 if not out.new_token_ids:
                     continue
@@ -142,9 +165,12 @@ class FrontLabels:
                 if state is None:
                     continue
                 seen = self.starts.setdefault(state.external_req_id, [])
-                if not seen or seen[-1][0] != label:  # counted before this output's tokens are added
-                    seen.append((label, state.detokenizer.num_output_tokens()))
-            return process_outputs(outputs, engine_core_timestamp, *args, **kwargs)
+                before = state.detokenizer.num_output_tokens()  # counted before this output's tokens are added
+                if not seen or seen[-1][0] != label:
+                    seen.append((label, before))
+                if pending is not None and t is not None:
+                    pending.setdefault(state.external_req_id, []).append((t, before))
+            return process_outputs(outputs, t, *args, **kwargs)
 
         # An instance attribute, looked up by vLLM's output handler at every call.
         processor.process_outputs = labelled_process_outputs
@@ -163,6 +189,37 @@ class FrontLabels:
     async def set(self, label: str) -> None:
         """Change the label; called while generation is paused (module docstring), so it waits for nothing."""
         self.changes = [*self.changes[-(LABELS_KEPT - 1):], (time.monotonic(), label)]
+
+    def expect(self) -> None:
+        """The engine core was asked for a swap of its own (:mod:`.vllm_swap`): outputs from now on may be of
+        either label until :meth:`resolve` says when the change was; until then they are kept aside too."""
+        self.pending, self._asked = {}, time.monotonic()
+        self._settled.clear()
+
+    def resolve(self, engine_time: float, label: str) -> None:
+        """The label changed at ``engine_time`` (the engine core's clock): each request's first output of a step that
+        ended after it starts the new label, also among the outputs processed before this was known."""
+        self.changes = [*self.changes[-(LABELS_KEPT - 1):], (engine_time, label)]
+        for rid, marks in (self.pending or {}).items():
+            seen = self.starts.get(rid)
+            first = next((before for t, before in marks if t > engine_time), None)
+            if seen is None or first is None or seen[-1][0] == label:
+                continue
+            if seen[-1][1] == first:  # its first tokens (a request that started meanwhile): no empty span before
+                seen[-1] = (label, first)
+            else:
+                seen.append((label, first))
+        self.abandon()
+
+    def abandon(self) -> None:
+        """The swap asked for did not happen (or :meth:`resolve` placed it): outputs are labelled as they come again."""
+        self.pending = None
+        self._settled.set()
+
+    async def settled(self) -> None:
+        """Return once no swap of the engine core's is unplaced: a request's spans are taken after this."""
+        while self.pending is not None:
+            await self._settled.wait()
 
     def spans(self, rid: str, output: Any) -> list[Span]:
         seen = self.starts.pop(rid, [])

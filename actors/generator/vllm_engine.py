@@ -56,15 +56,10 @@ from actors.generator.config import VLLMEngineConfig
 from actors.generator.engine import Completion, Engine, SamplingParams
 from actors.generator.model_facts import ModelFacts, read_model_facts
 from actors.generator.vllm_args import build_vllm_args, model_dir
-from actors.generator.vllm_compat import (
-    EngineLabels,
-    FrontLabels,
-    pause_keep,
-    prepare_engine_processes,
-    version_labels,
-)
+from actors.generator.vllm_compat import EngineLabels, FrontLabels, prepare_engine_processes, version_labels
 from actors.generator.vllm_outputs import completion, trim_routes
 from actors.generator.vllm_requests import check_prompts, request_params
+from actors.generator.vllm_swap import swap_by_pause, swap_in_core
 from actors.generator.vllm_weights import CheckpointWeights
 from actors.generator.vllm_worker_copies import copies_agree
 from actors.generator.weight_handover import pack_weights
@@ -423,6 +418,7 @@ class VLLMEngine(Engine):
         self.cached_prompt_tokens += getattr(final, "num_cached_tokens", None) or 0
         c = final.outputs[0]
         native = self.facts if self.route_mode == "native" else None
+        await self._labels.settled()  # a swap the engine core is making has placed its change (vllm_swap.py)
         return completion(c, self._labels.spans(rid, c), self._version, native, rid)
 
     async def _stats_loop(self) -> None:
@@ -469,14 +465,8 @@ class VLLMEngine(Engine):
                 packed.close()  # the worker holds its own mapping now
         t1 = time.perf_counter()
         assert self._labels is not None
-        await pause_keep(llm)
-        t_still = time.perf_counter()
-        try:
-            load_s = (await llm.collective_rpc("arl_apply_staged", args=(version,)))[0]
-            t_loaded = time.perf_counter()
-            await self._labels.set(str(version))  # loaded, not yet resumed: vllm_compat's docstring (labels)
-        finally:
-            await llm.resume_generation()
+        swap = swap_in_core if self.config.swap == "core" else swap_by_pause  # vllm_swap.py
+        t_still, t_loaded, load_s = await swap(llm, self._labels, version)
         t2 = time.perf_counter()
         if tensors is not None:
             self.last_stage_s = t1 - t0

@@ -16,7 +16,7 @@ front end's weight-version labels count them as they arrive (:mod:`.vllm_compat`
 
 vLLM builds it by name in the engine core's process (``scheduler_cls``, :data:`SCHEDULER_CLS`): :class:`ArlScheduler`
 builds vLLM's own class for the configuration (``AsyncScheduler`` with asynchronous scheduling, else ``Scheduler``)
-with :class:`HoldUntilFinal` mixed in before it.
+with :class:`HoldUntilFinal` mixed in before it, and gives the engine core its own swap (:mod:`.vllm_swap`).
 """
 
 from __future__ import annotations
@@ -130,5 +130,8 @@ class ArlScheduler:
     """What ``scheduler_cls`` names: builds :func:`scheduler_class` for the engine's configuration."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        from actors.generator.vllm_swap import install
+
+        install()  # the engine core's own swap (vllm.swap="core"): this process is the engine core's
         config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
         return scheduler_class(bool(config.scheduler_config.async_scheduling))(*args, **kwargs)

@@ -52,3 +52,39 @@ def test_only_the_last_changes_are_kept_and_an_older_batch_takes_the_oldest() ->
     assert len(labels.changes) == LABELS_KEPT
     assert labels.label_at(t0) == labels.changes[0][1] == "5"
     assert labels.label_at(time.monotonic()) == labels.label == str(LABELS_KEPT + 4)
+
+
+def test_a_swap_the_engine_core_made_is_placed_by_its_time_also_for_outputs_processed_before_its_answer() -> None:
+    processor = _Processor()
+    labels = FrontLabels(SimpleNamespace(output_processor=processor), "1")
+    for rid in ("r", "q"):
+        processor.request_states[rid] = _state(rid)
+    r, q = (SimpleNamespace(request_id=rid, new_token_ids=[5, 6]) for rid in ("r", "q"))
+    processor.process_outputs([r], time.monotonic())  # before the swap is asked for: version 1
+    labels.expect()  # the engine core is asked (vllm_swap.swap_in_core)
+    processor.process_outputs([r], time.monotonic())  # a step of the old weights that ended meanwhile
+    changed = time.monotonic()  # the core loaded version 2 and answered
+    processor.process_outputs([r, q], time.monotonic())  # new weights' steps, processed before the answer...
+    assert labels.label == "1" and labels.pending is not None  # ...labelled 1 for now, and kept aside
+    labels.resolve(changed, "2")  # the answer, with the core's time of the change
+    processor.process_outputs([r, q], time.monotonic())
+    assert labels.pending is None and labels.label == "2"
+    assert labels.spans("r", SimpleNamespace(token_ids=list(range(8)))) == [("1", 0, 4), ("2", 4, 8)]
+    assert labels.spans("q", SimpleNamespace(token_ids=list(range(4)))) == [("2", 0, 4)]  # no empty span of 1
+
+
+def test_a_swap_that_failed_changes_nothing_and_spans_wait_for_an_unplaced_one() -> None:
+    async def run() -> None:
+        processor = _Processor()
+        labels = FrontLabels(SimpleNamespace(output_processor=processor), "1")
+        processor.request_states["r"] = _state("r")
+        labels.expect()
+        waiter = asyncio.create_task(labels.settled())
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # a request's spans are taken only once the change is placed
+        processor.process_outputs([SimpleNamespace(request_id="r", new_token_ids=[3])], time.monotonic())
+        labels.abandon()  # the load failed: the old weights went on
+        await asyncio.wait_for(waiter, 1.0)
+        assert labels.label == "1" and labels.spans("r", SimpleNamespace(token_ids=[3])) == [("1", 0, 1)]
+
+    asyncio.run(run())

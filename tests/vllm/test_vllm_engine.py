@@ -234,9 +234,21 @@ async def test_swap_matches_a_fresh_engine_and_back(
 
 
 @shared_loop
+@pytest.mark.parametrize("swap", ["pause", "core"])
 async def test_versions_across_a_swap_mid_sequence(
-    engine: VLLMEngine, model_dirs: tuple[Path, Path], hf_models
+    engine: VLLMEngine, model_dirs: tuple[Path, Path], hf_models, swap: str
 ) -> None:  # type: ignore[no-untyped-def]
+    """Both ways a version goes into use (vllm.swap; actors/generator/vllm_swap.py): paused, loaded and resumed from
+    the engine's process, or by the engine core in one request, its change placed by the core's clock."""
+    kept = engine.config
+    engine.config = dataclasses.replace(kept, swap=swap)
+    try:
+        await _check_versions_across_a_swap(engine, model_dirs, hf_models)
+    finally:
+        engine.config = kept
+
+
+async def _check_versions_across_a_swap(engine: VLLMEngine, model_dirs: tuple[Path, Path], hf_models) -> None:  # type: ignore[no-untyped-def]
     model_a, model_b = hf_models
     before = engine.version + 1
     engine.stage_weights(_weights(model_dirs[0]), before)  # weights A in use, whatever ran before
@@ -418,9 +430,33 @@ async def test_a_copy_the_worker_cannot_make_is_reported_and_generation_goes_on(
     assert engine.version == before and len(out.token_ids) and set(out.versions.tolist()) == {before}
 
 
+@shared_loop
+async def test_a_load_the_engine_core_cannot_make_resumes_the_old_weights(engine: VLLMEngine) -> None:
+    """vllm.swap='core': a version the workers cannot load (here: never staged) is answered as an error; the core
+    resumed with its weights, the labels stay, generation goes on."""
+    await engine.ready()  # the swap task runs (a test run alone starts here)
+    kept, before = engine.config, engine.version
+    engine.config = dataclasses.replace(kept, swap="core")
+    try:
+        engine.stage_copied(before + 1)  # said to be copied, but no worker holds it
+        for _ in range(200):
+            if engine.last_stage_error is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.last_stage_error is not None and "is not staged" in engine.last_stage_error
+        [[out]] = await engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4))
+        assert engine.version == before and len(out.token_ids) and set(out.versions.tolist()) == {before}
+    finally:
+        engine.config = kept
+
+
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="engine.kv_cache_mib"):
         VLLMEngineConfig(kv_cache_mib=-1)
+    with pytest.raises(ValueError, match="vllm.swap"):
+        VLLMEngineConfig(swap="sometime")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs the project's scheduler"):
+        VLLMEngineConfig(swap="core", engine_args={"scheduler_cls": None})
     with pytest.raises(ValueError, match="engine.routes"):
         VLLMEngineConfig(routes="sometimes")  # type: ignore[arg-type]
     # vLLM's CPU attention has no head_dim 16 kernel: refused before any process starts.

@@ -1,0 +1,100 @@
+"""How a staged weight version goes into use in vLLM: two ways (``vllm.swap``).
+
+* ``pause`` (:func:`swap_by_pause`): the engine's process asks vLLM's engine core to pause (keeping requests and KV
+  cache; :func:`~actors.generator.vllm_compat.pause_keep`), then its workers to load the staged version in place
+  (``arl_apply_staged``), relabels and asks the core to resume: three round trips through the generator's event
+  loop, which a busy generator answers late (37-71 ms at p50 of each heartbeat's worst on the node; docs/gpus.md),
+  while the engine stands still from the pause's answer to the resume.
+* ``core`` (:func:`swap_in_core`): one request, ``arl_swap``, a method this module gives vLLM's ``EngineCore``
+  (:func:`install`, called by the project's scheduler in the engine core's process). The core pauses as vLLM's own
+  ``pause_scheduler(mode="keep")`` does; once no step is in flight (vLLM's idle callbacks) it has its workers load
+  the version, labels the steps from then on where vLLM labels them itself (0.27+), answers, and resumes. The answer
+  is queued before any output of the new weights and carries the core's clock at the change (``time.monotonic()``,
+  one clock for every process of a Linux host): the front end's labels (:class:`~actors.generator.vllm_compat.FrontLabels`)
+  place each request's first token of the new weights by it, also for outputs the front end processed before the
+  answer came (:meth:`~actors.generator.vllm_compat.FrontLabels.expect`).
+
+Either returns ``(still, loaded, load_s)``: when the engine stood still and when the load's call returned
+(``time.perf_counter()`` of the engine's process; for ``core`` counted back from the answer by the core's own
+durations), and the workers' in-place load seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Any
+
+METHOD = "arl_swap"
+"""The engine core's method (a vLLM utility call)."""
+
+
+def install() -> None:
+    """Give vLLM's ``EngineCore`` the :data:`METHOD` (idempotent; in the engine core's process)."""
+    from vllm.v1.engine.core import EngineCore
+
+    if getattr(EngineCore, METHOD, None) is not arl_swap:
+        setattr(EngineCore, METHOD, arl_swap)
+
+
+def arl_swap(core: Any, version: int, label: str) -> Future:
+    """Pause (keeping requests and KV cache), load ``version`` in every worker once idle, label, answer, resume.
+
+    The answer: the core's ``time.monotonic()`` when asked (``asked``), idle (``still``), loaded (``loaded``) and
+    labelled (``changed``), and the workers' load seconds (``load_s``). A failed load resumes the old weights and
+    answers the error."""
+    asked = time.monotonic()
+    done: Future = Future()
+
+    def swap(_: Any = None) -> None:
+        still = time.monotonic()
+        try:
+            load_s = core.collective_rpc("arl_apply_staged", args=(version,))[0]
+            loaded = time.monotonic()
+            if hasattr(core, "set_weight_version"):  # vLLM's own labels (0.27+): the steps from now on
+                core.set_weight_version(label)
+            changed = time.monotonic()
+        except BaseException as exc:
+            core.resume_scheduler()
+            done.set_exception(exc)
+            return
+        # Answered before resuming: vLLM queues the answer now (the future's callback), ahead of the new weights' steps.
+        done.set_result({"asked": asked, "still": still, "loaded": loaded, "changed": changed, "load_s": float(load_s)})
+        core.resume_scheduler()
+
+    paused = core.pause_scheduler(mode="keep", clear_cache=False)
+    if paused is None:  # idle already
+        swap()
+    else:
+        paused.add_done_callback(swap)
+    return done
+
+
+async def swap_in_core(llm: Any, labels: Any, version: int) -> tuple[float, float, float]:
+    """``vllm.swap="core"``: ask the engine core of ``llm`` (an ``AsyncLLM``) for :data:`METHOD`; ``labels`` (the
+    engine's labeller) learns the change's time."""
+    label = str(version)
+    labels.expect()
+    try:
+        r: dict[str, float] = await llm.engine_core.call_utility_async(METHOD, version, label)
+    except BaseException:
+        labels.abandon()
+        raise
+    labels.resolve(r["changed"], label)
+    now = time.perf_counter()
+    return now - (r["changed"] - r["still"]), now - (r["changed"] - r["loaded"]), r["load_s"]
+
+
+async def swap_by_pause(llm: Any, labels: Any, version: int) -> tuple[float, float, float]:
+    """``vllm.swap="pause"``: pause, load, relabel, resume, each asked from here."""
+    from actors.generator.vllm_compat import pause_keep
+
+    await pause_keep(llm)
+    still = time.perf_counter()
+    try:
+        load_s = (await llm.collective_rpc("arl_apply_staged", args=(version,)))[0]
+        loaded = time.perf_counter()
+        await labels.set(str(version))  # loaded, not yet resumed: vllm_compat's docstring (labels)
+    finally:
+        await llm.resume_generation()
+    return still, loaded, float(load_s)
