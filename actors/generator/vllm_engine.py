@@ -18,7 +18,8 @@
   checked against the signed manifest's checksums, then :meth:`VLLMEngine.stage_copied`. Either way the task
   pauses generation (``mode="keep"``: requests stay in place with their KV cache), loads the version in place
   (``arl_apply_staged``: a replay of vLLM's loaders as batched copies where proven exact, else vLLM's layerwise
-  reload; :mod:`.vllm_load_plan`), relabels and resumes. No file is written.
+  reload; :mod:`.vllm_load_plan`), relabels and resumes: asked step by step, or by the engine core itself in one
+  request (``vllm.swap``, :mod:`.vllm_swap`). No file is written.
   ``last_swap_pause_s`` is the time generation stood still. New requests carry the version in their prefix-cache
   salt, so no prompt reuses KV computed by older weights.
 * **Prefix cache across turns.** An episode's next turn is a new request whose prompt is the whole context so far;
