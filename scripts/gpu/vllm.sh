@@ -7,7 +7,9 @@
 #                 GEN_ENGINES, GEN_PROMPTS, GEN_NEW_TOKENS change them; the node's generator, 512 sequences of 128
 #                 tokens on moe-5b, routes on and off: GEN_MODEL=moe-5b GEN_ENGINES=vllm,vllm-noroutes,vllm-raw
 #                 GEN_PROMPTS=512 GEN_NEW_TOKENS=128; vllm-per-step: logprobs and routes sent every step, as vLLM's
-#                 own scheduler does; GEN_PROFILE=1: where plain vLLM's decoding time goes)
+#                 own scheduler does; GEN_PROFILE=1: where plain vLLM's decoding time goes). A preset's weights
+#                 are written once into /root/arl-presets, where node.sh's generators keep theirs: a run after
+#                 node.sh on the same machine skips building them (moe-5b: about 80 s on the CPU)
 #       loop      bench loop on moe-1.6b: Megatron learner on GPU 0, a vLLM generator on GPU 1 (checkpoints every
 #                 LOOP_CHECKPOINT_EVERY=100 steps: a Megatron checkpoint of this model takes ~40 s, the generator idles)
 #       mismatch  scripts/gpu/mismatch.py on moe-107m: each engine's logprobs against each learner backend's
@@ -27,7 +29,7 @@ generate)
     model=${GEN_MODEL:-moe-1.6b}
     timeout ${GEN_TIMEOUT:-580} python3 -m actors.commands bench generate --model "$model" \
         --engines ${GEN_ENGINES:-torch,vllm,vllm-raw} --prompts ${GEN_PROMPTS:-256} \
-        --new-tokens ${GEN_NEW_TOKENS:-200} \
+        --new-tokens ${GEN_NEW_TOKENS:-200} --work-dir /root/arl-presets \
         ${GEN_PROFILE:+--profile} \
         --json "$out/generate-$gpu-$model-$day.json" > "$out/generate.log" 2>&1
     rc=$?; tail -30 "$out/generate.log"; exit $rc ;;

@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="the torch engine's device (vLLM takes the first visible GPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="both vLLM variants")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default="",
+                   help="write a preset's weights here once and reuse them (as the generators' vllm.work_dir: "
+                        "scripts/gpu/vllm.sh gives the node's /root/arl-presets); default: a temporary directory")
     p.add_argument("--profile", action="store_true",
                    help="vllm-raw in one process, its batch generated once more under torch.profiler (module doc)")
     p.add_argument("--one", choices=ENGINES, help=argparse.SUPPRESS)
@@ -179,14 +182,15 @@ def _child(args: argparse.Namespace) -> int:
     return 0 if tokens == expected else 1
 
 
-def _model_dir(model: str, root: Path) -> Path:
-    from async_rl.model.presets import is_preset, save_pretrained_dir
+def _model_dir(model: str, work_dir: str) -> Path:
+    """The HF directory of ``model``: a preset written in bfloat16 (seed 0) into ``work_dir`` as a generator writes it
+    (``vllm_args.model_dir``: once, then reused by any run given the same directory), or the directory given."""
+    from actors.generator.config import VLLMEngineConfig
+    from actors.generator.vllm_args import model_dir
+    from async_rl.model.config import ModelConfig
 
-    if not is_preset(model):
-        return Path(model)
-    target = root / model
-    save_pretrained_dir(target, preset=model, seed=0, dtype="bfloat16")
-    return target
+    path, _ = model_dir(VLLMEngineConfig(model=ModelConfig(name=model, dtype="bfloat16"), work_dir=work_dir))
+    return path
 
 
 def _run_child(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str], list[str]]:
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None, prog: str = "async-rl bench generate") -
     results: list[dict[str, Any]] = []
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="arl-bench-generate-") as tmp:
-        model_dir = _model_dir(args.model, Path(tmp))
+        model_dir = _model_dir(args.model, args.work_dir or tmp)
         for engine in args.engine_list:
             cmd = [sys.executable, "-m", "actors.commands.bench.generate", "--one", engine, "--model-dir",
                    str(model_dir), "--prompts", str(args.prompts), "--prompt-tokens", str(args.prompt_tokens),
