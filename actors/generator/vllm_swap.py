@@ -55,8 +55,10 @@ def arl_swap(core: Any, version: int, label: str) -> Future:
                 core.set_weight_version(label)
             changed = time.monotonic()
         except BaseException as exc:
-            core.resume_scheduler()
-            done.set_exception(exc)
+            try:
+                core.resume_scheduler()
+            finally:  # answered whatever the resume did: the engine's process is waiting for it
+                done.set_exception(exc)
             return
         # Answered before resuming: vLLM queues the answer now (the future's callback), ahead of the new weights' steps.
         done.set_result({"asked": asked, "still": still, "loaded": loaded, "changed": changed, "load_s": float(load_s)})
