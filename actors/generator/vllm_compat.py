@@ -37,6 +37,7 @@ Supported: vLLM **0.25.1** (the CUDA release built for torch 2.11, what the GPU 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -144,8 +145,6 @@ class FrontLabels:
     ``(engine time, output tokens before it)`` of each output of a step that ended since the swap was asked for."""
 
     def __init__(self, llm: Any, label: str) -> None:
-        import asyncio
-
         self.starts = {}
         self.changes = [(float("-inf"), label)]
         self.pending, self._asked, self._settled = None, 0.0, asyncio.Event()
@@ -188,7 +187,11 @@ class FrontLabels:
 
     async def set(self, label: str) -> None:
         """Change the label; called while generation is paused (module docstring), so it waits for nothing."""
-        self.changes = [*self.changes[-(LABELS_KEPT - 1):], (time.monotonic(), label)]
+        self._change(time.monotonic(), label)
+
+    def _change(self, engine_time: float, label: str) -> None:
+        """``label`` from ``engine_time`` on, keeping the last :data:`LABELS_KEPT` changes."""
+        self.changes = [*self.changes[-(LABELS_KEPT - 1):], (engine_time, label)]
 
     def expect(self) -> None:
         """The engine core was asked for a swap of its own (:mod:`.vllm_swap`): outputs from now on may be of
@@ -199,7 +202,7 @@ class FrontLabels:
     def resolve(self, engine_time: float, label: str) -> None:
         """The label changed at ``engine_time`` (the engine core's clock): each request's first output of a step that
         ended after it starts the new label, also among the outputs processed before this was known."""
-        self.changes = [*self.changes[-(LABELS_KEPT - 1):], (engine_time, label)]
+        self._change(engine_time, label)
         for rid, marks in (self.pending or {}).items():
             seen = self.starts.get(rid)
             first = next((before for t, before in marks if t > engine_time), None)

@@ -25,6 +25,8 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from actors.generator.vllm_compat import pause_keep
+
 METHOD = "arl_swap"
 """The engine core's method (a vLLM utility call)."""
 
@@ -89,8 +91,6 @@ async def swap_in_core(llm: Any, labels: Any, version: int) -> tuple[float, floa
 
 async def swap_by_pause(llm: Any, labels: Any, version: int) -> tuple[float, float, float]:
     """``vllm.swap="pause"``: pause, load, relabel, resume, each asked from here."""
-    from actors.generator.vllm_compat import pause_keep
-
     await pause_keep(llm)
     still = time.perf_counter()
     try:
