@@ -97,11 +97,12 @@ class VLLMEngineConfig:
     """How a new version is loaded in place while generation is paused: auto replays vLLM's own loaders as batched
     copies where that is proven exact at start (CUDA, unquantized; actors/generator/vllm_load_plan.py), else
     vLLM's layerwise reload; reload always takes the layerwise reload (slower: seconds for a 1.6B MoE)."""
-    swap: Literal["pause", "core"] = "pause"
+    swap: Literal["pause", "core", "boundary"] = "pause"
     """How a staged version goes into use (actors/generator/vllm_swap.py): pause asks vLLM's engine core to pause,
     the workers to load it and the core to resume (three round trips from the generator's process); core asks once,
-    and the engine core does all three at its next idle point (needs the project's scheduler, engine_args'
-    scheduler_cls left as it is)."""
+    and the engine core does all three at its next idle point; boundary asks once and nothing pauses: the load is
+    queued on the GPU between two steps and the scheduler labels each step (core and boundary need the project's
+    scheduler, engine_args' scheduler_cls left as it is)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Further vLLM ``AsyncEngineArgs`` fields, passed through (names are checked)."""
 
@@ -124,11 +125,11 @@ class VLLMEngineConfig:
             raise ValueError(f"vllm.version_labels must be auto, engine or front, got {self.version_labels!r}")
         if self.swap_load not in ("auto", "reload"):
             raise ValueError(f"vllm.swap_load must be auto or reload, got {self.swap_load!r}")
-        if self.swap not in ("pause", "core"):
-            raise ValueError(f"vllm.swap must be pause or core, got {self.swap!r}")
-        if self.swap == "core" and "scheduler_cls" in self.engine_args:
-            raise ValueError("vllm.swap='core' needs the project's scheduler (actors/generator/vllm_swap.py): leave "
-                             "vllm.engine_args.scheduler_cls unset, or take vllm.swap='pause'")  # fmt: skip
+        if self.swap not in ("pause", "core", "boundary"):
+            raise ValueError(f"vllm.swap must be pause, core or boundary, got {self.swap!r}")
+        if self.swap != "pause" and "scheduler_cls" in self.engine_args:
+            raise ValueError(f"vllm.swap={self.swap!r} needs the project's scheduler (actors/generator/vllm_swap.py): "
+                             "leave vllm.engine_args.scheduler_cls unset, or take vllm.swap='pause'")  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)

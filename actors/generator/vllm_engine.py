@@ -6,8 +6,8 @@
   ``logprobs_mode="processed_logprobs"``: the logprob of each sampled token is taken from the
   distribution it was sampled from (temperature, top-k, top-p applied and renormalised); greedy
   (temperature 0) reports the plain model logprob of the argmax token, like the torch engine.
-* **Versions.** Every engine step is labelled with a weight version, changed only while generation is paused,
-  and each request gets its spans back: vLLM's own labels (0.27+) or the engine's (:mod:`.vllm_compat`). They
+* **Versions.** Every engine step is labelled with a weight version and each request gets its spans back: vLLM's
+  own labels (0.27+), the engine's (:mod:`.vllm_compat`) or the scheduler's (:mod:`.vllm_step_labels`). They
   become the per-token ``versions`` array: each token carries the version of the weights that produced it, also
   for a sequence that spans a swap.
 * **Weights.** :meth:`VLLMEngine.stage_weights` (any thread) checks names and shapes against the model's
@@ -60,7 +60,8 @@ from actors.generator.vllm_args import build_vllm_args, model_dir
 from actors.generator.vllm_compat import EngineLabels, FrontLabels, prepare_engine_processes, version_labels
 from actors.generator.vllm_outputs import completion, trim_routes
 from actors.generator.vllm_requests import check_prompts, request_params
-from actors.generator.vllm_swap import swap_by_pause, swap_in_core
+from actors.generator.vllm_step_labels import CoreSpans
+from actors.generator.vllm_swap import SWAPS
 from actors.generator.vllm_weights import CheckpointWeights
 from actors.generator.vllm_worker_copies import copies_agree
 from actors.generator.weight_handover import pack_weights
@@ -126,6 +127,8 @@ class VLLMEngine(Engine):
     """Pause seconds of swaps not yet taken by :meth:`take_swap_pauses`."""
     _labels: EngineLabels | FrontLabels | None
     """Who labels engine steps with weight versions (:mod:`.vllm_compat`); set up on first use."""
+    _core_spans: CoreSpans | None
+    """The scheduler's labels (:mod:`.vllm_step_labels`), which ``vllm.swap="boundary"`` takes instead."""
     _logit_bias: dict[int, float]
     """The sampling mask as vLLM logit biases (:mod:`async_rl.model.token_mask`), applied when the prompt asks for it."""
 
@@ -147,7 +150,7 @@ class VLLMEngine(Engine):
         self._uid = uuid.uuid4().hex[:6]
         self._closed = False
         self.prompt_tokens = self.cached_prompt_tokens = 0
-        self._labels = None
+        self._labels = self._core_spans = None
         self._swaps = []
         self._pauses = []
         self.last_swap_pause_s = 0.0
@@ -205,6 +208,7 @@ class VLLMEngine(Engine):
     async def _setup(self) -> None:
         facts = self.facts
         self._labels = version_labels(self._llm, self.config.version_labels, str(self._version))
+        self._core_spans = CoreSpans(self._llm)
         await self._labels.set(str(self._version))
         infos = await self._llm.collective_rpc(
             "arl_setup",
@@ -407,12 +411,14 @@ class VLLMEngine(Engine):
         if self.prefix_caching:
             request["cache_salt"] = f"arl-w{self._version}"
         final = None
-        assert self._labels is not None
+        assert self._labels is not None and self._core_spans is not None
+        labels = self._core_spans if self.config.swap == "boundary" else self._labels
         try:
             async for out in self._llm.generate(request, sp, rid):
                 final = out
         except BaseException:
             self._labels.forget(rid)
+            self._core_spans.forget(rid)
             raise
         assert final is not None and final.outputs, f"vLLM returned nothing for request {rid}"
         self.prompt_tokens += prompt.size
@@ -420,7 +426,9 @@ class VLLMEngine(Engine):
         c = final.outputs[0]
         native = self.facts if self.route_mode == "native" else None
         await self._labels.settled()  # a swap the engine core is making has placed its change (vllm_swap.py)
-        return completion(c, self._labels.spans(rid, c), self._version, native, rid)
+        spans = labels.spans(rid, c)
+        (self._core_spans if labels is self._labels else self._labels).forget(rid)
+        return completion(c, spans, self._version, native, rid)
 
     async def _stats_loop(self) -> None:
         """vLLM's throughput line (running and waiting requests, tokens/s, KV cache use), when ``log_stats``."""
@@ -466,8 +474,7 @@ class VLLMEngine(Engine):
                 packed.close()  # the worker holds its own mapping now
         t1 = time.perf_counter()
         assert self._labels is not None
-        swap = swap_in_core if self.config.swap == "core" else swap_by_pause  # vllm_swap.py
-        t_still, t_loaded, load_s = await swap(llm, self._labels, version)
+        t_still, t_loaded, load_s = await SWAPS[self.config.swap](llm, self._labels, version)  # vllm_swap.py
         t2 = time.perf_counter()
         if tensors is not None:
             self.last_stage_s = t1 - t0

@@ -16,7 +16,8 @@ front end's weight-version labels count them as they arrive (:mod:`.vllm_compat`
 
 vLLM builds it by name in the engine core's process (``scheduler_cls``, :data:`SCHEDULER_CLS`): :class:`ArlScheduler`
 builds vLLM's own class for the configuration (``AsyncScheduler`` with asynchronous scheduling, else ``Scheduler``)
-with :class:`HoldUntilFinal` mixed in before it, and gives the engine core its own swap (:mod:`.vllm_swap`).
+with :class:`HoldUntilFinal` and :class:`~actors.generator.vllm_step_labels.StepLabels` (each step's weight version,
+for swaps at the step boundary) mixed in before it, and gives the engine core its own swaps (:mod:`.vllm_swap`).
 """
 
 from __future__ import annotations
@@ -116,13 +117,16 @@ _CLASSES: dict[bool, type] = {}
 
 
 def scheduler_class(asynchronous: bool) -> type:
-    """vLLM's scheduler class for the configuration, with :class:`HoldUntilFinal` mixed in."""
+    """vLLM's scheduler class for the configuration, with :class:`HoldUntilFinal` and the step labels of
+    :mod:`.vllm_step_labels` mixed in."""
     if asynchronous not in _CLASSES:
         if asynchronous:
             from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
         else:
             from vllm.v1.core.sched.scheduler import Scheduler as base
-        _CLASSES[asynchronous] = type(f"Arl{base.__name__}", (HoldUntilFinal, base), {})
+        from actors.generator.vllm_step_labels import StepLabels
+
+        _CLASSES[asynchronous] = type(f"Arl{base.__name__}", (StepLabels, HoldUntilFinal, base), {})
     return _CLASSES[asynchronous]
 
 

@@ -14,7 +14,14 @@
   place each request's first token of the new weights by it, also for outputs the front end processed before the
   answer came (:meth:`~actors.generator.vllm_compat.FrontLabels.expect`).
 
-Either returns ``(still, loaded, load_s)``: when the engine stood still and when the load's call returned
+* ``boundary`` (:func:`swap_at_boundary`): one request, ``arl_swap_boundary``, answered at once and without a
+  pause. The engine core handles requests between its steps; there the workers queue the in-place load on the
+  stream the steps run on (``arl_apply_ordered``), after every step launched so far and before the
+  next, and the scheduler labels the steps it schedules from then on with the new version
+  (:mod:`.vllm_step_labels`; the outputs of steps launched before, still on their way, keep the old label). Decoding
+  stands still only for the load's GPU time (milliseconds), reported as the pause.
+
+Each returns ``(still, loaded, load_s)``: when the engine stood still and when the load's call returned
 (``time.perf_counter()`` of the engine's process; for ``core`` counted back from the answer by the core's own
 durations), and the workers' in-place load seconds.
 """
@@ -29,14 +36,38 @@ from actors.generator.vllm_compat import pause_keep
 
 METHOD = "arl_swap"
 """The engine core's method (a vLLM utility call)."""
+BOUNDARY_METHOD = "arl_swap_boundary"
+"""The engine core's method for ``vllm.swap="boundary"``."""
 
 
 def install() -> None:
-    """Give vLLM's ``EngineCore`` the :data:`METHOD` (idempotent; in the engine core's process)."""
+    """Give vLLM's ``EngineCore`` :data:`METHOD` and :data:`BOUNDARY_METHOD` (idempotent; in the engine core's
+    process)."""
     from vllm.v1.engine.core import EngineCore
 
-    if getattr(EngineCore, METHOD, None) is not arl_swap:
-        setattr(EngineCore, METHOD, arl_swap)
+    for name, method in ((METHOD, arl_swap), (BOUNDARY_METHOD, arl_swap_boundary)):
+        if getattr(EngineCore, name, None) is not method:
+            setattr(EngineCore, name, method)
+
+
+def arl_swap_boundary(core: Any, version: int, label: str) -> dict[str, Any]:
+    """Queue the in-place load of ``version`` on the steps' stream and label the steps scheduled from now on (module
+    docstring: ``boundary``). Answers the core's ``time.monotonic()`` when done (``changed``), the workers' host
+    seconds to queue the load (``load_s``) and the GPU seconds of the last load before this one that has finished
+    (``gpu_s``, None when none). A load that fails leaves the old weights and the label."""
+    relabel = getattr(core.scheduler, "arl_relabel", None)
+    if relabel is None:
+        raise RuntimeError("vllm.swap='boundary' needs the project's scheduler (its step labels): leave "
+                           "vllm.engine_args.scheduler_cls unset")  # fmt: skip
+    asked = time.monotonic()
+    results = core.collective_rpc("arl_apply_ordered", args=(version,))
+    relabel(label)
+    if hasattr(core, "set_weight_version"):  # vLLM's own labels (0.27+) kept in step, for another mode's requests
+        core.set_weight_version(label)
+    changed = time.monotonic()
+    gpu = [r["gpu_s"] for r in results if r["gpu_s"] is not None]
+    return {"asked": asked, "changed": changed, "load_s": max(float(r["s"]) for r in results),
+            "gpu_s": max(gpu) if gpu else None}  # fmt: skip
 
 
 def arl_swap(core: Any, version: int, label: str) -> Future:
@@ -89,6 +120,23 @@ async def swap_in_core(llm: Any, labels: Any, version: int) -> tuple[float, floa
     return now - (r["changed"] - r["still"]), now - (r["changed"] - r["loaded"]), r["load_s"]
 
 
+async def swap_at_boundary(llm: Any, labels: Any, version: int) -> tuple[float, float, float]:
+    """``vllm.swap="boundary"``: ask the engine core of ``llm`` for :data:`BOUNDARY_METHOD`. Nothing stands still
+    on the host: the pause returned is the GPU time of the last load known to have finished (this one's is known at
+    the next swap), the time decoding stood still for it. The scheduler labels the steps; ``labels`` (the engine's
+    other labeller) learns the change too, as for ``core``, so that it stays right for a later swap of another mode.
+    """
+    labels.expect()
+    try:
+        r: dict[str, Any] = await llm.engine_core.call_utility_async(BOUNDARY_METHOD, version, str(version))
+    except BaseException:
+        labels.abandon()
+        raise
+    labels.resolve(r["changed"], str(version))
+    now = time.perf_counter()
+    return now - float(r["gpu_s"] or 0.0), now, float(r["load_s"])
+
+
 async def swap_by_pause(llm: Any, labels: Any, version: int) -> tuple[float, float, float]:
     """``vllm.swap="pause"``: pause, load, relabel, resume, each asked from here."""
     await pause_keep(llm)
@@ -100,3 +148,7 @@ async def swap_by_pause(llm: Any, labels: Any, version: int) -> tuple[float, flo
     finally:
         await llm.resume_generation()
     return still, loaded, float(load_s)
+
+
+SWAPS = {"pause": swap_by_pause, "core": swap_in_core, "boundary": swap_at_boundary}
+"""The swap of each ``vllm.swap``."""

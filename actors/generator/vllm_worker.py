@@ -199,6 +199,8 @@ class ArlWorkerExtension:
         self._arl_plan: LoadPlan | None = None
         self._arl_slots: dict[int, _Slot] = {}
         self._arl_receive: tuple[tuple, list[torch.Tensor]] | None = None
+        self._arl_read: tuple[Any, torch.cuda.Event] | None = None
+        self._arl_load_timed: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         info: dict[str, Any] = {"num_layers": 0, "top_k": 0}
         if capture_routes:
             dtype = route_dtype(num_experts)
@@ -323,6 +325,7 @@ class ArlWorkerExtension:
             into = receive[1] if receive is not None and receive[0] == layout else None
         else:
             into = None if same is None else same.buffers
+        self._arl_after(stream)
         try:
             buffers, sums = copy_buckets(m, device, mapper, stream, into=into)
         except IpcUnavailable as exc:
@@ -345,6 +348,9 @@ class ArlWorkerExtension:
             ptrs = {b.untyped_storage().data_ptr() for b in [*kept, *assembled.values()]}
             views = all(t.untyped_storage().data_ptr() in ptrs for _, t in item.named)
             self._arl_slots[slot] = _Slot(layout, kept, item.named, item.bound, self._arl_plan, views, assembled)
+        done = torch.cuda.Event()
+        done.record()  # the assembly, on this thread's stream: the next copy's stream waits for it (_arl_after)
+        self._arl_read = (None, done)
         t2 = time.perf_counter()
         return {"sums": sums, "copied_at": copied_at, "s": t2 - t0, "copy_s": t1 - t0, "prepare_s": t2 - t1, **how}
 
@@ -364,6 +370,45 @@ class ArlWorkerExtension:
             self.model_runner.reload_weights(weights_iterator=iter(item.named))  # type: ignore[attr-defined]
             self._arl_reprocess_moe()
         return time.perf_counter() - t0
+
+    def arl_apply_ordered(self, version: int) -> dict[str, Any]:
+        """Load the staged version in place without waiting for anything (``vllm.swap="boundary"``, called between the
+        engine core's steps): on CUDA the load is queued on this thread's stream, the one the steps run on, after the
+        steps launched so far; the next copy into a staging slot waits for it on the GPU (:meth:`_arl_after`).
+        Returns ``{"s": host seconds, "gpu_s": GPU seconds of the last earlier load that has finished (None: none
+        finished since the last call)}``."""
+        staged = self._arl_staged
+        if version not in staged:
+            raise RuntimeError(f"weight version {version} is not staged in the worker (staged: {sorted(staged)})")
+        t0 = time.perf_counter()
+        gpu_s = None
+        timed = self._arl_load_timed
+        if timed is not None and timed[1].query():
+            gpu_s, self._arl_load_timed = timed[0].elapsed_time(timed[1]) / 1e3, None
+        item = staged.pop(version)
+        for old in [v for v in staged if v < version]:
+            del staged[old]
+        if item.bound is None or not torch.cuda.is_available():
+            self.model_runner.reload_weights(weights_iterator=iter(item.named))  # type: ignore[attr-defined]
+            self._arl_reprocess_moe()
+            s = time.perf_counter() - t0
+            return {"s": s, "gpu_s": s if gpu_s is None and not torch.cuda.is_available() else gpu_s}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        apply(item.bound)
+        end.record()
+        self._arl_read = (item, end)  # its buffers stay referenced until a copy after it waited for the load
+        if self._arl_load_timed is None:
+            self._arl_load_timed = (start, end)
+        return {"s": time.perf_counter() - t0, "gpu_s": gpu_s}
+
+    def _arl_after(self, stream: Any) -> None:
+        """``stream`` (a copy's) waits on the GPU for the last work of the steps' stream that read staging buffers
+        (an assembly, an ordered load): nothing on that stream waited for them."""
+        read = self._arl_read
+        if read is not None:
+            stream.wait_event(read[1])
+            self._arl_read = None
 
     def arl_param_digest(self) -> dict[str, str]:
         """A SHA-1 of every parameter's bytes as loaded on this rank (tests check weight loads bit for bit)."""

@@ -234,7 +234,7 @@ async def test_swap_matches_a_fresh_engine_and_back(
 
 
 @shared_loop
-@pytest.mark.parametrize("swap", ["pause", "core"])
+@pytest.mark.parametrize("swap", ["pause", "core", "boundary"])
 async def test_versions_across_a_swap_mid_sequence(
     engine: VLLMEngine, model_dirs: tuple[Path, Path], hf_models, swap: str
 ) -> None:  # type: ignore[no-untyped-def]
@@ -431,12 +431,13 @@ async def test_a_copy_the_worker_cannot_make_is_reported_and_generation_goes_on(
 
 
 @shared_loop
-async def test_a_load_the_engine_core_cannot_make_resumes_the_old_weights(engine: VLLMEngine) -> None:
-    """vllm.swap='core': a version the workers cannot load (here: never staged) is answered as an error; the core
-    resumed with its weights, the labels stay, generation goes on."""
+@pytest.mark.parametrize("swap", ["core", "boundary"])
+async def test_a_load_the_engine_core_cannot_make_resumes_the_old_weights(engine: VLLMEngine, swap: str) -> None:
+    """vllm.swap='core' or 'boundary': a version the workers cannot load (here: never staged) is answered as an error;
+    the core goes on (resumed, for core) with its weights, the labels stay, generation goes on."""
     await engine.ready()  # the swap task runs (a test run alone starts here)
     kept, before = engine.config, engine.version
-    engine.config = dataclasses.replace(kept, swap="core")
+    engine.config = dataclasses.replace(kept, swap=swap)
     try:
         engine.stage_copied(before + 1)  # said to be copied, but no worker holds it
         for _ in range(200):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from actors.generator.vllm_scheduler import SCHEDULER_CLS, HoldUntilFinal, hold_until_final, scheduler_class
+from actors.generator.vllm_step_labels import StepLabels
 
 pytestmark = pytest.mark.vllm
 
@@ -101,7 +102,7 @@ def test_streaming_and_stop_string_requests_are_left_as_vllm_sends_them() -> Non
             assert out.routed_experts is not None
 
 
-def test_the_scheduler_class_is_vllms_own_with_the_hold_mixed_in() -> None:
+def test_the_scheduler_class_is_vllms_own_with_the_hold_and_the_step_labels_mixed_in() -> None:
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -109,5 +110,5 @@ def test_the_scheduler_class_is_vllms_own_with_the_hold_mixed_in() -> None:
     assert resolve_obj_by_qualname(SCHEDULER_CLS).__name__ == "ArlScheduler"
     for asynchronous, base in ((True, AsyncScheduler), (False, Scheduler)):
         cls = scheduler_class(asynchronous)
-        assert issubclass(cls, base) and cls.__mro__[1] is HoldUntilFinal
+        assert issubclass(cls, base) and cls.__mro__[1:3] == (StepLabels, HoldUntilFinal)
         assert scheduler_class(asynchronous) is cls
