@@ -14,6 +14,7 @@
 #                 LOOP_CHECKPOINT_EVERY=100 steps: a Megatron checkpoint of this model takes ~40 s, the generator idles)
 #       mismatch  scripts/gpu/mismatch.py on moe-107m: each engine's logprobs against each learner backend's
 #       swap      scripts/gpu/vllm_swap.py on moe-1.6b: the engine's swaps over CUDA IPC while it generates, one GPU
+#                 (each vllm.swap mode in turn on one engine; SWAP_MODES=pause,boundary picks)
 set -uo pipefail
 part=${1:?usage: vllm.sh PART OUT}
 out=${2:?usage: vllm.sh PART OUT}
@@ -48,7 +49,7 @@ mismatch)
         > "$out/mismatch.log" 2>&1
     rc=$?; tail -30 "$out/mismatch.log"; exit $rc ;;
 swap)
-    timeout 580 python3 scripts/gpu/vllm_swap.py --json "$out/vllm-swap-$gpu-moe-1.6b-$day.json" > "$out/vllm-swap.log" 2>&1
+    timeout ${SWAP_TIMEOUT:-580} python3 scripts/gpu/vllm_swap.py ${SWAP_MODES:+--modes $SWAP_MODES} --json "$out/vllm-swap-$gpu-moe-1.6b-$day.json" > "$out/vllm-swap.log" 2>&1
     rc=$?; tail -30 "$out/vllm-swap.log"; exit $rc ;;
 *) echo "vllm.sh: unknown part $part" >&2; exit 2 ;;
 esac

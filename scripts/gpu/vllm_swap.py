@@ -3,13 +3,19 @@ versions published into GPU slots by a ``GpuPublisher`` in this process (the lea
 and half of them in turn) and copied by the engine's worker over CUDA IPC, as a generator on the learner's host takes them. No
 learner trains here: the figures are the swap's own (pause, in-worker load, copy), not a loop's.
 
-    python3 scripts/gpu/vllm_swap.py --json OUT.json [--swaps 30]
+Each way a version goes into use (``vllm.swap``: pause, core, boundary; ``--modes``) takes ``--swaps`` versions in
+turn on the same engine, generating all along: per mode the pause, the copy, the time from the version's publish to
+its use, and the tokens generated meanwhile; ``applied_p50_vs_pause`` and ``tokens_per_s_vs_pause`` are each mode's
+ratios to ``pause`` in the same run.
+
+    python3 scripts/gpu/vllm_swap.py --json OUT.json [--swaps 30] [--modes pause,core,boundary]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
 import statistics
@@ -76,40 +82,54 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             tokens += sum(int(c.token_ids.size) for group in out for c in group)
 
     gen = asyncio.ensure_future(generating())
-    pauses, loads, copies, applied = [], [], [], []
-    t1 = time.perf_counter()
+    modes: dict[str, Any] = {}
+    version = 0
+    ms = 1e3
     try:
         await asyncio.sleep(1.0)  # generation under way
-        for i in range(args.swaps):
-            version = i + 1
-            tensors = weights[version % 2]
-            assert await pub.offer(version, lambda t=tensors: t.items())
-            await pub.wait_idle()
-            t_pub = time.perf_counter()
-            await reader.fetch(version, copy=copier)
-            engine.stage_copied(version)
-            assert await engine.wait_applied(version, 60.0), engine.last_stage_error
-            applied.append(time.perf_counter() - t_pub)
-            pauses.append(engine.last_swap_pause_s)
-            loads.append(engine.last_load_s)
-            copies.append(engine.last_stage_s)
-            await asyncio.sleep(args.interval_s)
+        for mode in args.modes.split(","):
+            engine.config = dataclasses.replace(engine.config, swap=mode)
+            pauses, loads, copies, applied = [], [], [], []
+            tokens0, t1 = tokens, time.perf_counter()
+            for _ in range(args.swaps):
+                version += 1
+                tensors = weights[version % 2]
+                assert await pub.offer(version, lambda t=tensors: t.items())
+                await pub.wait_idle()
+                t_pub = time.perf_counter()
+                await reader.fetch(version, copy=copier)
+                engine.stage_copied(version)
+                assert await engine.wait_applied(version, 60.0), engine.last_stage_error
+                applied.append(time.perf_counter() - t_pub)
+                pauses.append(engine.last_swap_pause_s)
+                loads.append(engine.last_load_s)
+                copies.append(engine.last_stage_s)
+                await asyncio.sleep(args.interval_s)
+            modes[mode] = {
+                "swaps": len(pauses),
+                "swap_pause_ms": {"p50": _p(pauses, 0.5) * ms, "p95": _p(pauses, 0.95) * ms, "max": max(pauses) * ms},
+                "load_ms": {"p50": _p(loads, 0.5) * ms, "p95": _p(loads, 0.95) * ms},
+                "copy_ms": {"p50": _p(copies, 0.5) * ms, "p95": _p(copies, 0.95) * ms},
+                "published_to_applied_ms": {"p50": _p(applied, 0.5) * ms, "p95": _p(applied, 0.95) * ms},
+                "generated_tokens_per_s": (tokens - tokens0) / (time.perf_counter() - t1),
+                "mean_pause_ms": statistics.fmean(pauses) * ms,
+            }  # fmt: skip
+            print(mode, json.dumps(modes[mode]), flush=True)
     finally:
         done.set()
         await gen
-        wall_s = time.perf_counter() - t1
         await engine.close()
         await redis.aclose()
         server.stop()
-    ms = 1e3
+    base = modes.get("pause")
+    for r in modes.values():
+        if base is not None:
+            r["applied_p50_vs_pause"] = r["published_to_applied_ms"]["p50"] / base["published_to_applied_ms"]["p50"]
+            r["tokens_per_s_vs_pause"] = r["generated_tokens_per_s"] / base["generated_tokens_per_s"]
     return {
         "bench": "vllm_swap", "machine": f"{torch.cuda.get_device_name(0)}; {platform.platform()}",
-        "model": args.model, "swaps": len(pauses), "swap_load": engine.swap_load, "startup_s": round(startup_s, 1),
-        "swap_pause_ms": {"p50": _p(pauses, 0.5) * ms, "p95": _p(pauses, 0.95) * ms, "max": max(pauses) * ms},
-        "load_ms": {"p50": _p(loads, 0.5) * ms, "p95": _p(loads, 0.95) * ms},
-        "copy_ms": {"p50": _p(copies, 0.5) * ms, "p95": _p(copies, 0.95) * ms},
-        "published_to_applied_ms": {"p50": _p(applied, 0.5) * ms, "p95": _p(applied, 0.95) * ms},
-        "generated_tokens_per_s": tokens / wall_s, "mean_pause_ms": statistics.fmean(pauses) * ms,
+        "model": args.model, "prompts": args.prompts, "interval_s": args.interval_s, "swap_load": engine.swap_load,
+        "startup_s": round(startup_s, 1), "modes": modes,
     }  # fmt: skip
 
 
@@ -123,6 +143,7 @@ def main() -> None:
     p.add_argument("--swaps", type=int, default=30, help="versions swapped in (default 30)")
     p.add_argument("--prompts", type=int, default=128, help="prompts generating meanwhile, 200 tokens each")
     p.add_argument("--interval-s", type=float, default=0.3, help="seconds between versions (default 0.3)")
+    p.add_argument("--modes", default="pause,core,boundary", help="vllm.swap modes, in turn (default all three)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.45, help="vLLM's share of the GPU")
     args = p.parse_args()
     out = asyncio.run(run(args))

@@ -10,6 +10,7 @@ tests measure are written to ``$ARL_GPU_REPORT`` (a JSON file) when it is set.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import uuid
@@ -156,8 +157,20 @@ async def test_a_swap_matches_a_freshly_started_engine(engine: VLLMEngine, engin
 
 
 @shared_loop
-async def test_versions_across_a_swap_in_the_middle_of_a_sequence(engine: VLLMEngine,
-                                                                  model_dirs: tuple[Path, Path]) -> None:  # fmt: skip
+@pytest.mark.parametrize("swap", ["pause", "core", "boundary"])
+async def test_versions_across_a_swap_in_the_middle_of_a_sequence(engine: VLLMEngine, model_dirs: tuple[Path, Path],
+                                                                  swap: str) -> None:  # fmt: skip
+    """Each way a version goes into use (vllm.swap): with vLLM's asynchronous scheduling on the GPU, ``boundary``
+    labels the steps launched before the swap with the old version though their outputs come after it."""
+    kept = engine.config
+    engine.config = dataclasses.replace(kept, swap=swap)
+    try:
+        await _check_versions_across_a_swap(engine, model_dirs)
+    finally:
+        engine.config = kept
+
+
+async def _check_versions_across_a_swap(engine: VLLMEngine, model_dirs: tuple[Path, Path]) -> None:
     start = engine.version
     params = SamplingParams(max_new_tokens=200, temperature=1.0, mask_special_tokens=False)
     task = asyncio.ensure_future(engine.generate(_prompts(8, seed=2, length=8), params))
@@ -232,13 +245,25 @@ async def test_weights_over_cuda_ipc_arrive_bit_for_bit(engine: VLLMEngine, engi
 
 
 @shared_loop
+@pytest.mark.parametrize("swap", ["pause", "boundary"])
 async def test_versions_copied_while_a_swap_runs_are_all_loaded(engine: VLLMEngine, engine_b: VLLMEngine, servers,
-                                                                model_dirs: tuple[Path, Path],
+                                                                model_dirs: tuple[Path, Path], swap: str,
                                                                 caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     """The node's asynchronous run (issue 39, four H200s) logged "could not apply weight version": the swap task had
     taken a version and waited for a step boundary while two newer ones were copied, the second into the taken one's
     staging slot (a worker keeps two). Versions published and copied back to back while sequences generate, each
-    handed over at once: no swap fails, and the last version (B) is in use."""
+    handed over at once: no swap fails, and the last version (B) is in use. With ``boundary`` each load is only
+    queued on the GPU: a copy into its slot must wait for it there."""
+    kept = engine.config
+    engine.config = dataclasses.replace(kept, swap=swap)
+    try:
+        await _check_copies_during_swaps(engine, engine_b, servers, model_dirs, caplog)
+    finally:
+        engine.config = kept
+
+
+async def _check_copies_during_swaps(engine: VLLMEngine, engine_b: VLLMEngine, servers, model_dirs: tuple[Path, Path],
+                                     caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
     import logging
 
     import redis.asyncio as aioredis
