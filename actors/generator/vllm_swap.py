@@ -86,16 +86,30 @@ def arl_swap(core: Any, version: int, label: str) -> Future:
             loaded = time.monotonic()
             if hasattr(core, "set_weight_version"):  # vLLM's own labels (0.27+): the steps from now on
                 core.set_weight_version(label)
+            relabel = getattr(core.scheduler, "arl_relabel", None)
+            if relabel is not None:  # the scheduler's (vllm_step_labels.py), for a later swap at the step boundary
+                relabel(label)
             changed = time.monotonic()
         except BaseException as exc:
             try:
-                core.resume_scheduler()
+                resume()
             finally:  # answered whatever the resume did: the engine's process is waiting for it
                 done.set_exception(exc)
             return
         # Answered before resuming: vLLM queues the answer now (the future's callback), ahead of the new weights' steps.
         done.set_result({"asked": asked, "still": still, "loaded": loaded, "changed": changed, "load_s": float(load_s)})
+        resume()
+
+    def resume() -> None:
         core.resume_scheduler()
+        # Called from vLLM's idle callbacks, the busy loop goes on to wait for the next request, with the requests
+        # resumed here left waiting (0.25.1 to 0.32: a generation stood still until another request came). A wake-up
+        # request ends that wait; handled anywhere else, it does nothing.
+        queue = getattr(core, "input_queue", None)
+        if queue is not None:
+            from vllm.v1.engine import EngineCoreRequestType
+
+            queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
     paused = core.pause_scheduler(mode="keep", clear_cache=False)
     if paused is None:  # idle already

@@ -171,7 +171,10 @@ async def test_versions_across_a_swap_in_the_middle_of_a_sequence(engine: VLLMEn
 
 
 async def _check_versions_across_a_swap(engine: VLLMEngine, model_dirs: tuple[Path, Path]) -> None:
-    start = engine.version
+    # A version in use by this mode first (the scheduler's labels follow swaps at the core, not a pause's).
+    start = engine.version + 1
+    engine.stage_weights(_weights(model_dirs[1]), start)
+    assert await engine.wait_applied(start, SWAP_TIMEOUT_S), engine.last_stage_error
     params = SamplingParams(max_new_tokens=200, temperature=1.0, mask_special_tokens=False)
     task = asyncio.ensure_future(engine.generate(_prompts(8, seed=2, length=8), params))
     await asyncio.sleep(0.15)
