@@ -97,12 +97,17 @@ class VLLMEngineConfig:
     """How a new version is loaded in place while generation is paused: auto replays vLLM's own loaders as batched
     copies where that is proven exact at start (CUDA, unquantized; actors/generator/vllm_load_plan.py), else
     vLLM's layerwise reload; reload always takes the layerwise reload (slower: seconds for a 1.6B MoE)."""
-    swap: Literal["pause", "core", "boundary"] = "pause"
-    """How a staged version goes into use (actors/generator/vllm_swap.py): pause asks vLLM's engine core to pause,
-    the workers to load it and the core to resume (three round trips from the generator's process); core asks once,
-    and the engine core does all three at its next idle point; boundary asks once and nothing pauses: the load is
-    queued on the GPU between two steps and the scheduler labels each step (core and boundary need the project's
-    scheduler, engine_args' scheduler_cls left as it is)."""
+    swap: Literal["pause", "core", "boundary"] = "boundary"
+    """How a staged version goes into use (actors/generator/vllm_swap.py): boundary asks the engine core once and
+    nothing pauses: the load is queued on the GPU between two steps and the scheduler labels each step; core asks
+    once, and the engine core pauses, loads and resumes at its next idle point; pause asks vLLM's engine core to
+    pause, the workers to load it and the core to resume (three round trips from the generator's process). boundary
+    and core need the project's scheduler (engine_args' scheduler_cls left as it is); a scheduler of your own needs
+    pause."""
+    follow: Literal["front", "core"] = "front"
+    """Who follows the learner's weight versions: front, the generator's process (its event loop, beside vLLM's front
+    end), or core, a thread of vLLM's engine core process, which loads each version at its next step by itself
+    (actors/generator/vllm_follow.py; one GPU an engine, vllm.swap='boundary')."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Further vLLM ``AsyncEngineArgs`` fields, passed through (names are checked)."""
 
@@ -127,6 +132,12 @@ class VLLMEngineConfig:
             raise ValueError(f"vllm.swap_load must be auto or reload, got {self.swap_load!r}")
         if self.swap not in ("pause", "core", "boundary"):
             raise ValueError(f"vllm.swap must be pause, core or boundary, got {self.swap!r}")
+        if self.follow not in ("front", "core"):
+            raise ValueError(f"vllm.follow must be front or core, got {self.follow!r}")
+        if self.follow == "core" and (self.tensor_parallel_size != 1 or self.swap != "boundary"):
+            raise ValueError("vllm.follow='core' needs vllm.tensor_parallel_size=1 and vllm.swap='boundary' (the "
+                             f"engine core's one worker loads each version at a step boundary), got "
+                             f"{self.tensor_parallel_size} and {self.swap!r}")  # fmt: skip
         if self.swap != "pause" and "scheduler_cls" in self.engine_args:
             raise ValueError(f"vllm.swap={self.swap!r} needs the project's scheduler (actors/generator/vllm_swap.py): "
                              "leave vllm.engine_args.scheduler_cls unset, or take vllm.swap='pause'")  # fmt: skip

@@ -8,6 +8,7 @@ last swap pause. Series carry the ``run`` prefix and the ``generator`` id as lab
 from __future__ import annotations
 
 from actors.generator.config import GeneratorConfig
+from actors.generator.core_follow import CoreFollow
 from actors.generator.engine import Engine
 from actors.generator.weight_sync import WeightSync
 from async_rl.metrics.prometheus import Exporter, Metric
@@ -58,7 +59,7 @@ class GeneratorMetrics:
     def dead_lettered(self) -> None:
         self.exporter.inc("async_rl_generator_dead_lettered_groups_total")
 
-    def beat(self, hb: Heartbeat, sync: WeightSync | None, engine: Engine | None) -> None:
+    def beat(self, hb: Heartbeat, sync: WeightSync | CoreFollow | None, engine: Engine | None) -> None:
         e = self.exporter
         if not e.enabled:
             return

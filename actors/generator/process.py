@@ -22,6 +22,7 @@ import time
 import redis.asyncio as aioredis
 
 from actors.generator.config import GeneratorConfig
+from actors.generator.core_follow import CoreFollow
 from actors.generator.engine import Engine
 from actors.generator.join import check_join
 from actors.generator.metrics import GeneratorMetrics
@@ -141,8 +142,11 @@ class Generator(Work):
         transport = make_transport(cfg.transport, cfg.run.redis_url, names)
         reader = WeightReader(self._redis, transport, names, cfg.weight_sync.reader, reader_id=cfg.generator_id)
         where = f"prefix {names.prefix!r} at {redact_url(cfg.run.redis_url)}"
-        gpu = gpu_reader(cfg, self._engine, self._redis)
-        self._sync = WeightSync(self._engine, reader, names, cfg.weight_sync, self._control, where=where, gpu=gpu)
+        if cfg.engine == "vllm" and cfg.vllm.follow == "core":  # the engine core follows versions itself
+            self._sync = CoreFollow(self._engine, cfg)
+        else:
+            gpu = gpu_reader(cfg, self._engine, self._redis)
+            self._sync = WeightSync(self._engine, reader, names, cfg.weight_sync, self._control, where=where, gpu=gpu)
         stack.push_async_callback(self._sync.close)
         stack.push_async_callback(self._release_held)  # first of the closing steps: others may take them at once
         if self.stop_event.is_set():  # stopped while the engine was built (request_stop had no sync to stop)

@@ -110,6 +110,8 @@ def build_vllm_args(config: VLLMEngineConfig, facts: ModelFacts) -> VLLMArgs:
     )
     if kv_mib:
         kwargs["kv_cache_memory_bytes"] = kv_mib << 20
+    if config.follow == "core":  # the worker in the engine core's process, where the follower runs (vllm_follow.py)
+        kwargs["distributed_executor_backend"] = "uni"
     if mode == "native":
         kwargs["enable_return_routed_experts"] = True
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}

@@ -70,11 +70,16 @@ INLINE_ALL_ARRAYS = str(1 << 62)
 docstring: whole messages)."""
 
 
-def prepare_engine_processes(on_cuda: bool) -> None:
+def prepare_engine_processes(on_cuda: bool, worker_in_core: bool = False) -> None:
     """The environment vLLM's processes start with (module docstring: worker processes, whole messages); a user's
-    explicit choice stays."""
+    explicit choice stays. ``worker_in_core``: the one worker runs in the engine core's process (``UniProcExecutor``,
+    for ``vllm.follow="core"``), which vLLM's CPU platform turns into a worker process of its own unless
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` is 0 (its reason: OpenMP's thread placement; ``AsyncLLM`` itself starts its
+    engine core process either way)."""
     if on_cuda:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    elif worker_in_core:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_MSGPACK_ZERO_COPY_THRESHOLD", INLINE_ALL_ARRAYS)
 
 

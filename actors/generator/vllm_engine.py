@@ -1,39 +1,28 @@
 """The vLLM inference engine: vLLM's ``AsyncLLM`` behind the :class:`~actors.generator.engine.Engine` interface.
 
-* **Sampling.** Each of the ``n`` samples of a prompt is one vLLM request (``n=1``), so every
-  sample has its own id (routes are fetched by it) and, when ``SamplingParams.seed`` is set,
-  its own seed (``seed + j`` for the j-th sample of the call, prompt-major). vLLM runs with
-  ``logprobs_mode="processed_logprobs"``: the logprob of each sampled token is taken from the
-  distribution it was sampled from (temperature, top-k, top-p applied and renormalised); greedy
-  (temperature 0) reports the plain model logprob of the argmax token, like the torch engine.
+* **Sampling.** Each of the ``n`` samples of a prompt is one vLLM request (``n=1``) with its own id (routes are
+  fetched by it) and, with ``SamplingParams.seed``, its own seed (``seed + j``, prompt-major). Logprobs are
+  ``processed_logprobs``: from the distribution each token was sampled from (greedy: the plain model logprob).
 * **Versions.** Every engine step is labelled with a weight version and each request gets its spans back: vLLM's
   own labels (0.27+), the engine's (:mod:`.vllm_compat`) or the scheduler's (:mod:`.vllm_step_labels`). They
-  become the per-token ``versions`` array: each token carries the version of the weights that produced it, also
-  for a sequence that spans a swap.
-* **Weights.** :meth:`VLLMEngine.stage_weights` (any thread) checks names and shapes against the model's
-  checkpoint (:mod:`.vllm_weights`) and hands the version to a background task: it copies the tensors once into
-  an anonymous memory file the worker maps while generation goes on (``arl_stage_weights``; :mod:`.weight_handover`
-  says why vLLM's RPC cannot carry them). On the learner's host a GPU-held version skips all that: the workers map
-  the learner's CUDA IPC buffers and copy it GPU to GPU themselves (:meth:`VLLMEngine.gpu_copier`, ``arl_copy_ipc``),
-  checked against the signed manifest's checksums, then :meth:`VLLMEngine.stage_copied`. Either way the task
-  pauses generation (``mode="keep"``: requests stay in place with their KV cache), loads the version in place
-  (``arl_apply_staged``: a replay of vLLM's loaders as batched copies where proven exact, else vLLM's layerwise
-  reload; :mod:`.vllm_load_plan`), relabels and resumes: asked step by step, or by the engine core itself in one
-  request (``vllm.swap``, :mod:`.vllm_swap`). No file is written.
-  ``last_swap_pause_s`` is the time generation stood still. New requests carry the version in their prefix-cache
-  salt, so no prompt reuses KV computed by older weights.
-* **Prefix cache across turns.** An episode's next turn is a new request whose prompt is the whole context so far;
-  with prefix caching on (``enable_prefix_caching``, on unless routes are captured by hooks) vLLM finds the blocks
-  of the previous turns' KV under the same salt and runs only the new tokens' prefill. :attr:`VLLMEngine.prompt_tokens`
-  and :attr:`VLLMEngine.cached_prompt_tokens` count what was asked and what the cache served (logged at close).
-* **Routes** (MoE). Where vLLM's own routed-experts output works (CUDA, Model Runner V2) it is
-  used (``routes="native"``); on CPU the worker extension of :mod:`actors.generator.vllm_worker`
-  captures them in eager mode (``routes="hooks"``, prefix caching off). Either way a sample's
-  routes are ``[T_run, moe_layers, top_k]`` (uint8, int16 past 256 experts) for the prompt and
-  response tokens the model ran, typically ``len(prompt) + len(response) - 1``.
+  become the per-token ``versions``: each token carries the version of the weights that produced it.
+* **Weights.** :meth:`VLLMEngine.stage_weights` (any thread) checks names and shapes (:mod:`.vllm_weights`) and
+  hands the version to a background task, which copies it into an anonymous memory file the worker maps while
+  generation goes on (:mod:`.weight_handover`). A GPU-held version on the learner's host is copied GPU to GPU by
+  the workers themselves (:meth:`VLLMEngine.gpu_copier`, ``arl_copy_ipc``), checked against the signed manifest,
+  then :meth:`VLLMEngine.stage_copied`. The version is loaded in place (a replay of vLLM's loaders as batched copies
+  where proven exact, else vLLM's reload; :mod:`.vllm_load_plan`) as ``vllm.swap`` says (:mod:`.vllm_swap`), or by
+  the engine core following versions itself (``vllm.follow="core"``, :mod:`.vllm_follow`). No file is written.
+  New requests carry the version in their prefix-cache salt: no prompt reuses KV of older weights.
+* **Prefix cache across turns.** An episode's next turn is a new request whose prompt is the whole context so far:
+  vLLM finds the previous turns' KV under the same salt (prefix caching is on unless routes are captured by hooks).
+  :attr:`VLLMEngine.prompt_tokens` and :attr:`VLLMEngine.cached_prompt_tokens` count what was asked and served.
+* **Routes** (MoE). vLLM's own routed-experts output where it works (CUDA: ``routes="native"``); on CPU the worker
+  extension (:mod:`actors.generator.vllm_worker`) captures them in eager mode (``routes="hooks"``). A sample's
+  routes are ``[T_run, moe_layers, top_k]`` (uint8, int16 past 256 experts), typically ``len(prompt) +
+  len(response) - 1`` rows.
 
-The engine is built synchronously (``VLLMEngine(config)`` starts vLLM's processes: about 30 s on
-a CPU); everything after that runs on the event loop of the first async call.
+``VLLMEngine(config)`` starts vLLM's processes (about 30 s on a CPU); the rest runs on its first async call's loop.
 """
 
 from __future__ import annotations
@@ -87,7 +76,7 @@ class VLLMEngine(Engine):
     prefix_caching: bool
     max_model_len: int
     log_stats: bool
-    """vLLM's statistics are on (``vllm.engine_args.disable_log_stats=false``): logged every ``STATS_INTERVAL_S``."""
+    """vLLM's statistics are logged every ``STATS_INTERVAL_S`` (``vllm.engine_args.disable_log_stats=false``)."""
     last_swap_pause_s: float
     """Time generation stood still for the last swap: the engine core paused (after its steps in flight) to resumed."""
     last_stage_s: float
@@ -99,12 +88,10 @@ class VLLMEngine(Engine):
     swap_load: str
     """How versions load in place: 'replay' (:mod:`.vllm_load_plan`) or 'reload: <why>' (vLLM's layerwise reload)."""
     prompt_tokens: int
-    """Prompt tokens of every request so far."""
     cached_prompt_tokens: int
-    """Those of them served from the prefix cache (an episode's earlier turns, a group's shared prompt)."""
+    """Prompt tokens of every request so far, and those of them the prefix cache served."""
     _llm: Any
     _tmp_dir: Path | None
-    _version: int
     _pending: tuple[Mapping[str, torch.Tensor] | None, int] | None
     """The next version to swap in: its tensors, or None when the workers already hold it (a GPU copy)."""
     _lock: threading.Lock
@@ -174,7 +161,7 @@ class VLLMEngine(Engine):
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        prepare_engine_processes(current_platform.is_cuda_alike())
+        prepare_engine_processes(current_platform.is_cuda_alike(), worker_in_core=self.config.follow == "core")
         args = build_vllm_args(self.config, self.facts)
         self.route_mode = args.route_mode
         self.prefix_caching = args.prefix_caching
@@ -354,6 +341,21 @@ class VLLMEngine(Engine):
                  "checksums %.3f, views %.3f; loads by %s)", manifest.version, self.last_stage_s, r["s"], r["copy_s"],
                  r["prepare_s"], r["load"])  # fmt: skip
         return copied
+
+    async def core_call(self, method: str, *args: Any) -> Any:
+        """One of the methods the project gives vLLM's engine core (:func:`.vllm_swap.install`), answered by it."""
+        await self._ensure_ready()
+        return await self._llm.engine_core.call_utility_async(method, *args)
+
+    def note_core_swaps(self, swaps: list[tuple[int, float]], pauses: list[float]) -> None:
+        """Swaps the engine core made by itself (``vllm.follow="core"``): ``(version, unix time)`` and GPU pauses."""
+        self._swaps, self._pauses = [*self._swaps, *swaps][-64:], [*self._pauses, *pauses][-64:]
+        self.last_swap_pause_s = pauses[-1] if pauses else self.last_swap_pause_s
+        newest = max((v for v, _ in swaps), default=self._version)
+        if newest > self._version:
+            assert self._applied is not None
+            self._version, applied, self._applied = newest, self._applied, asyncio.Event()
+            applied.set()
 
     def stage_copied(self, version: int) -> None:
         """Swap in a version the workers copied and the caller verified (:meth:`gpu_copier`)."""

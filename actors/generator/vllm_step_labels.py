@@ -14,6 +14,7 @@ process before anyone else sees them.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 SPANS_KEY = "arl_spans"
@@ -72,6 +73,10 @@ class StepLabels:
         self._arl_label = label
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        follow = sys.modules.get("actors.generator.vllm_follow")  # imported where an engine core follows versions
+        follower = None if follow is None else follow.FOLLOWER
+        if follower is not None:
+            follower.apply_ready(self)  # a version it has ready: loaded before this step, which it labels
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         stamps = self.__dict__.setdefault("_arl_stamps", {})
         stamps[id(out)] = (out, self.__dict__.get("_arl_label", "-1"))  # the object kept: its id stays its own

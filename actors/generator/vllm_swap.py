@@ -41,11 +41,15 @@ BOUNDARY_METHOD = "arl_swap_boundary"
 
 
 def install() -> None:
-    """Give vLLM's ``EngineCore`` :data:`METHOD` and :data:`BOUNDARY_METHOD` (idempotent; in the engine core's
-    process)."""
+    """Give vLLM's ``EngineCore`` :data:`METHOD`, :data:`BOUNDARY_METHOD` and the follower's methods
+    (:mod:`.vllm_follow`; idempotent; in the engine core's process)."""
     from vllm.v1.engine.core import EngineCore
 
-    for name, method in ((METHOD, arl_swap), (BOUNDARY_METHOD, arl_swap_boundary)):
+    from actors.generator import vllm_follow
+
+    methods = ((METHOD, arl_swap), (BOUNDARY_METHOD, arl_swap_boundary), ("arl_follow_start", vllm_follow.start),
+               ("arl_follow_report", vllm_follow.report), ("arl_follow_stop", vllm_follow.stop))  # fmt: skip
+    for name, method in methods:
         if getattr(EngineCore, name, None) is not method:
             setattr(EngineCore, name, method)
 

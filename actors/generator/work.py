@@ -27,6 +27,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from actors.generator.config import GeneratorConfig
+from actors.generator.core_follow import CoreFollow
 from actors.generator.engine import Engine, SamplingParams
 from actors.generator.episodes import run_group
 from actors.generator.metrics import GeneratorMetrics
@@ -98,7 +99,7 @@ class Work:
     """The newest version a batch waited for (:meth:`_fresh_weights`)."""
     _redis: aioredis.Redis | None
     _engine: Engine | None
-    _sync: WeightSync | None
+    _sync: WeightSync | CoreFollow | None
     _task: Task | None
     _prompts: PromptQueue | None
     _held: list[PromptEntry]

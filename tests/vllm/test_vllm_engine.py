@@ -458,6 +458,10 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         VLLMEngineConfig(swap="sometime")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs the project's scheduler"):
         VLLMEngineConfig(swap="core", engine_args={"scheduler_cls": None})
+    with pytest.raises(ValueError, match=r"vllm.follow='core' needs vllm.tensor_parallel_size=1 and vllm.swap='boundary'"):
+        VLLMEngineConfig(follow="core", swap="pause")
+    with pytest.raises(ValueError, match="vllm.follow must be front or core"):
+        VLLMEngineConfig(follow="somewhere")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="engine.routes"):
         VLLMEngineConfig(routes="sometimes")  # type: ignore[arg-type]
     # vLLM's CPU attention has no head_dim 16 kernel: refused before any process starts.

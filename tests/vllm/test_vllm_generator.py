@@ -28,13 +28,17 @@ VLLM_GENERATOR_ARGS = [
 ]  # fmt: skip
 
 
-def test_vllm_generator_feeds_the_learner(servers: ServerSet, names: Names, tmp_path: Path) -> None:
+@pytest.mark.parametrize("follow", ["front", "core"])
+def test_vllm_generator_feeds_the_learner(servers: ServerSet, names: Names, tmp_path: Path, follow: str) -> None:
+    """``vllm.follow``: the generator's process follows the learner's versions, or vLLM's engine core does
+    (actors/generator/vllm_follow.py: its thread fetches each version and the scheduler loads it between steps)."""
     procs = Procs(servers, names, tmp_path / "run")
     try:
         procs.learner(f"max_steps={NUM_STEPS}", "batch_groups=4")
         # on_run_end=wait: the generator outlives the learner's run end, so that it is stopped by SIGTERM below
         # (with the default, exit, it races its own exit against that signal).
-        procs.start("gen-vllm", "generator", [*VLLM_GENERATOR_ARGS, "generator_id=gen-vllm", "on_run_end=wait"])
+        procs.start("gen-vllm", "generator", [*VLLM_GENERATOR_ARGS, "generator_id=gen-vllm", "on_run_end=wait",
+                                              f"vllm.follow={follow}"])  # fmt: skip
         procs.wait_for("the learner's steps", lambda: procs.procs["learner"].poll() is not None, timeout_s=420)
         assert procs.procs["learner"].returncode == 0, procs.tails()
         rows = procs.metrics()
@@ -62,7 +66,11 @@ def test_vllm_generator_feeds_the_learner(servers: ServerSet, names: Names, tmp_
         assert min(versions) >= 0, versions  # generated only with the learner's weights, never the init ones
         assert procs.stop("gen-vllm") == 0, procs.tails()
         log = procs.log("gen-vllm")
-        assert "vLLM engine: version" in log and "in use" in log, procs.tails()
+        if follow == "front":
+            assert "vLLM engine: version" in log and "in use" in log, procs.tails()
+        else:
+            assert "the engine core follows versions" in log and "vLLM engine: version" not in log, procs.tails()
+            assert max(versions) >= 1, versions  # versions after the first were taken by the engine core too
     finally:
         procs.close()
 

@@ -124,6 +124,8 @@ async def _run_project_engine(engine_name: str, model_dir: Path, args: argparse.
             model=model, max_batch_prompts=len(prompts), max_num_seqs=len(prompts), max_model_len=_max_len(args),
             gpu_memory_utilization=args.gpu_memory_utilization, stop_on_eos=False, seed=args.seed,
             routes="off" if engine_name == "vllm-noroutes" else "auto",
+            # vLLM's own scheduler: no step labels of the project's, so swaps (none here) would have to pause
+            swap="pause" if engine_name == "vllm-per-step" else "boundary",
             engine_args={"scheduler_cls": None} if engine_name == "vllm-per-step" else {}))  # fmt: skip
     startup_s = time.perf_counter() - t0
     try:

@@ -1,0 +1,256 @@
+"""Weight versions followed inside vLLM's engine core process (``weight_sync.in_engine``; one GPU an engine).
+
+The generator's process follows versions with :class:`~actors.generator.weight_sync.WeightSync` on its event loop,
+which also runs vLLM's front end: on a busy node that loop answered 37-71 ms late (p50 of each heartbeat's worst),
+and a version went through it three times (its announcement, the copy's answer, the swap's). Here the same
+``WeightSync`` runs on an event loop of its own, in a thread of the engine core's process, where the only worker
+of a one-GPU engine lives (vLLM's ``UniProcExecutor``): it hears the learner's announcements on NATS, takes a GPU
+version's lease and copies it from the learner's buffers into the worker's staging slots on a stream of its own
+while the engine core keeps decoding (``arl_copy_ipc``), or fetches a host version, checks it, and marks it ready.
+The scheduler takes a ready version at its next step (:meth:`CoreFollower.apply_ready`, called before each
+``schedule``): the in-place load queued on the steps' stream and the steps labelled from then on, as
+``vllm.swap="boundary"`` does, with no request from anywhere. The generator's process asks only for a report
+(:meth:`CoreFollower.report`, a utility call at each heartbeat). An idle engine core runs no step: a ready version
+is then applied from vLLM's idle callbacks, in the core's thread, the core woken for it.
+
+The engine core's methods ``arl_follow_start`` and ``arl_follow_report`` (:func:`start`, :func:`report`) are given to
+vLLM's ``EngineCore`` by :func:`actors.generator.vllm_swap.install`. The engine runs with ``UniProcExecutor``
+(``distributed_executor_backend="uni"``) so that its worker is in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FOLLOWER: CoreFollower | None = None
+"""The follower of this process (the engine core's), once started."""
+KEPT = 64
+"""Swaps and latencies kept for the next report (reports come every heartbeat)."""
+
+
+class CoreStage:
+    """The :class:`~actors.generator.engine.Engine` side a ``WeightSync`` needs, done by the worker in this process."""
+
+    name = "vllm-core"
+
+    def __init__(self, follower: CoreFollower) -> None:
+        self.follower = follower
+
+    @property
+    def version(self) -> int:
+        return self.follower.applied
+
+    def gpu_copier(self) -> Any:
+        return self._copy if torch.cuda.is_available() else None
+
+    async def ready(self) -> None:
+        pass
+
+    async def _copy(self, manifest: Any) -> Any:
+        from actors.generator.vllm_worker_copies import copies_agree
+
+        result = await asyncio.to_thread(self.follower.copy_here, manifest)
+        return copies_agree([result], manifest.version)
+
+    def stage_copied(self, version: int) -> None:
+        self.follower.mark_ready(version)
+
+    def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        self.follower.stage_host(tensors, version)
+
+    def open_stage(self, version: int, layout: Any) -> None:
+        return None
+
+    async def wait_applied(self, version: int, timeout_s: float | None = None) -> bool:
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+        while self.follower.applied < version:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+
+class CoreFollower:
+    """A ``WeightSync`` on a thread of the engine core's process (module docstring)."""
+
+    def __init__(self, core: Any, cfg: dict[str, Any]) -> None:
+        from actors.generator.config import GeneratorConfig
+        from async_rl.config.configurable import from_dict
+
+        self.core = core
+        self.worker = core.model_executor.driver_worker.worker  # UniProcExecutor: this process's one worker
+        self.cfg = from_dict(GeneratorConfig, cfg)
+        self.lock = threading.Lock()
+        """Held while the worker's staging changes: a copy (the follower's thread), a load (the core's)."""
+        self.ready: int | None = None
+        self.applied = -1
+        self.error: str | None = None
+        self.last_load_error: str | None = None
+        self.swaps: list[tuple[int, float]] = []
+        self.pauses: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sync: Any = None
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.thread = threading.Thread(target=self._main, name="arl-follow", daemon=True)
+
+    # ------------------------------------------------------------------ the follower's thread
+    def _main(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+        try:
+            asyncio.run(self._follow())
+        except BaseException as exc:  # reported: the generator's process ends with it
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("the engine core's weight follower failed")
+
+    async def _follow(self) -> None:
+        from actors.generator.weight_sync import WeightSync
+        from async_rl.process.lifecycle import redact_url
+        from async_rl.servers.control import ControlPlane
+        from async_rl.servers.reach import redis_client
+        from async_rl.weights import WeightReader
+        from async_rl.weights.gpu.reader import GpuReader
+        from async_rl.weights.transport import make_transport
+
+        cfg, names = self.cfg, self.cfg.run.names
+        assert cfg.run.redis_url and cfg.run.nats_url, "the generator's process passes its resolved URLs"
+        self._loop = asyncio.get_running_loop()
+        redis = redis_client(cfg.run.redis_url)
+        control = await ControlPlane(cfg.run.nats_url, name=f"{cfg.generator_id}-core", cfg=cfg.control).connect()
+        try:
+            transport = make_transport(cfg.transport, cfg.run.redis_url, names)
+            reader = WeightReader(redis, transport, names, cfg.weight_sync.reader, reader_id=cfg.generator_id)
+            gpu = None
+            if cfg.weight_sync.gpu and torch.cuda.is_available():
+                gpu = GpuReader(redis, names, None, cfg.weight_sync.reader, reader_id=cfg.generator_id)
+            where = f"prefix {names.prefix!r} at {redact_url(cfg.run.redis_url)}"
+            stage: Any = CoreStage(self)  # what WeightSync asks of an engine
+            self._sync = sync = WeightSync(stage, reader, names, cfg.weight_sync, control, where=where, gpu=gpu)
+            if not self._stop.is_set() and await sync.start():
+                await sync.run()
+        finally:
+            if self._sync is not None:
+                await self._sync.close()
+            await control.close()
+            await redis.aclose()
+
+    def copy_here(self, manifest: Any) -> dict[str, Any]:
+        """The worker's copy of a GPU version (a thread of the follower's loop), on the copy's own stream, waited
+        for: the version is whole on this GPU before it is marked ready."""
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+        _, stream = self.worker._arl_ipc or self.worker._arl_copy_path()
+        with self.lock, torch.cuda.stream(stream):
+            result = self.worker.arl_copy_ipc(manifest.encode(), manifest.version)
+            stream.synchronize()
+        return result
+
+    def stage_host(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """A host version (checked by the sync): converted, on the GPU where the load replays, kept, ready."""
+        named = list(self.worker._arl_weights.prepare(tensors).items())
+        if self._device is not None and self.worker._arl_plan is not None:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                named = [(n, t.to(torch.device("cuda", self._device))) for n, t in named]
+            stream.synchronize()
+        with self.lock:
+            self.worker._arl_keep(version, named)
+        self.mark_ready(version)
+
+    def mark_ready(self, version: int) -> None:
+        """``version`` goes into use before the next step, or at once where the core is idle (its idle callbacks,
+        after a wake-up request: it may be waiting for one)."""
+        with self.lock:
+            if self.ready is None or version > self.ready:
+                self.ready = version
+        self.core._idle_state_callbacks.append(lambda core: self.apply_ready(core.scheduler))
+        from vllm.v1.engine import EngineCoreRequestType
+
+        self.core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    # ------------------------------------------------------------------ the engine core's thread
+    def apply_ready(self, scheduler: Any) -> None:
+        """Between steps: a ready version's load queued on the steps' stream, the steps from now on labelled."""
+        if self.ready is None:
+            return
+        with self.lock:
+            version, self.ready = self.ready, None
+            if version is None or version <= self.applied:
+                return
+            try:
+                r = self.worker.arl_apply_ordered(version)
+            except Exception as exc:  # the old weights stay; the sync's next version may load
+                self.failures += 1
+                self.last_load_error = f"version {version}: {exc!r}"
+                log.exception("could not load weight version %d; version %d stays in use", version, self.applied)
+                return
+        scheduler.arl_relabel(str(version))
+        self.applied = version
+        self.swaps = [*self.swaps[-(KEPT - 1):], (version, time.time())]
+        if r["gpu_s"] is not None:
+            self.pauses = [*self.pauses[-(KEPT - 1):], float(r["gpu_s"])]
+
+    def report(self) -> dict[str, Any]:
+        """What the generator's process shows (its heartbeat), taken: swaps since the last report with their
+        snapshot-to-applied seconds, pauses, snapshot-to-staged seconds, and the sync's state."""
+        sync = self._sync
+        taken = dict(sync.taken_at) if sync is not None else {}
+        swaps, self.swaps = self.swaps, []
+        pauses, self.pauses = self.pauses, []
+        return {
+            "version": self.applied, "swaps": swaps, "pauses": pauses,
+            "staged_latencies": sync.take_staged_latencies() if sync is not None else [],
+            "taken_at": {str(v): taken[v] for v, _ in swaps if v in taken},
+            "wanted": sync.wanted_version if sync is not None else -1,
+            "staged": sync.staged_version if sync is not None else -1,
+            "refused": sorted(sync.refused) if sync is not None else [],
+            "failures": (sync.num_failures if sync is not None else 0) + self.failures,
+            "fetch_s": sync.last_fetch.total_s if sync is not None and sync.last_fetch is not None else 0.0,
+            "load_error": self.last_load_error, "error": self.error, "alive": self.thread.is_alive(),
+        }  # fmt: skip
+
+    def stop(self) -> None:
+        self._stop.set()
+        loop, sync = self._loop, self._sync
+        if loop is not None and sync is not None:
+            loop.call_soon_threadsafe(sync.stop)
+        self.thread.join(timeout=10)
+
+
+def start(core: Any, cfg: dict[str, Any]) -> bool:
+    """The engine core's ``arl_follow_start``: follow the run ``cfg`` names (a ``GeneratorConfig`` as a dict)."""
+    global FOLLOWER
+    if FOLLOWER is not None:
+        raise RuntimeError("this engine core follows weight versions already")
+    executor = core.model_executor
+    if not hasattr(executor, "driver_worker"):
+        raise RuntimeError(f"weight_sync.in_engine needs vLLM's worker in the engine core's process "
+                           f"(UniProcExecutor), not {type(executor).__name__}")  # fmt: skip
+    FOLLOWER = CoreFollower(core, cfg)
+    FOLLOWER.thread.start()
+    return True
+
+
+def report(core: Any) -> dict[str, Any] | None:
+    """The engine core's ``arl_follow_report``: :meth:`CoreFollower.report`, None before :func:`start`."""
+    return None if FOLLOWER is None else FOLLOWER.report()
+
+
+def stop(core: Any) -> bool:
+    """The engine core's ``arl_follow_stop``: the follower's sync stopped, its thread joined."""
+    global FOLLOWER
+    if FOLLOWER is not None:
+        FOLLOWER.stop()
+        FOLLOWER = None
+    return True
