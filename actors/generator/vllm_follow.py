@@ -92,6 +92,8 @@ class CoreFollower:
         self.lock = threading.Lock()
         """Held while the worker's staging changes: a copy (the follower's thread), a load (the core's)."""
         self.ready: int | None = None
+        self._idle_armed = False
+        """A callback of vLLM's idle ones is waiting to apply a ready version (the core may be idle)."""
         self.applied = -1
         self.error: str | None = None
         self.last_load_error: str | None = None
@@ -174,10 +176,17 @@ class CoreFollower:
         with self.lock:
             if self.ready is None or version > self.ready:
                 self.ready = version
-        self.core._idle_state_callbacks.append(lambda core: self.apply_ready(core.scheduler))
+            armed, self._idle_armed = self._idle_armed, True
+        if not armed:  # one callback at a time: a core busy for hours would gather one a version
+            self.core._idle_state_callbacks.append(self._on_idle)
         from vllm.v1.engine import EngineCoreRequestType
 
         self.core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    def _on_idle(self, core: Any) -> None:
+        with self.lock:
+            self._idle_armed = False
+        self.apply_ready(core.scheduler)
 
     # ------------------------------------------------------------------ the engine core's thread
     def apply_ready(self, scheduler: Any) -> None:
