@@ -393,6 +393,10 @@ class ArlWorkerExtension:
             self._arl_reprocess_moe()
             s = time.perf_counter() - t0
             return {"s": s, "gpu_s": s if gpu_s is None and not torch.cuda.is_available() else gpu_s}
+        if item.slot < 0:  # a host version's own tensors, maybe made on another stream (vllm_follow.py): freed after
+            stream = torch.cuda.current_stream()  # the load, their memory must wait for this stream
+            for _, t in item.named:
+                t.record_stream(stream)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         apply(item.bound)
