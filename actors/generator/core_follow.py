@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from actors.generator.config import GeneratorConfig
 from async_rl.config.configurable import to_dict
@@ -25,6 +25,13 @@ REPORT_INTERVAL_S = 0.25
 TAKEN_AT_KEPT = 64
 
 
+class Fetched(NamedTuple):
+    """What the generator's process shows of a fetch the engine core made."""
+
+    version: int
+    total_s: float
+
+
 class CoreFollow:
     """What :class:`~actors.generator.process.Generator` reads of a weight sync, from the engine core's reports."""
 
@@ -33,14 +40,14 @@ class CoreFollow:
     refused: set[int]
     taken_at: dict[int, float]
     num_failures: int
-    last_fetch: None = None
-    """Fetches are the engine core's (its report's ``fetch_s``)."""
+    last_fetch: Fetched | None
+    """The engine core's last fetch: its version and seconds (the heartbeat's ``fetch_s``, the fetch metric)."""
 
     def __init__(self, engine: Any, cfg: GeneratorConfig) -> None:
         self.engine, self.cfg = engine, cfg
         self.staged_version = self.wanted_version = -1
         self.refused, self.taken_at, self.num_failures = set(), {}, 0
-        self.fetch_s = 0.0
+        self.last_fetch = None
         self._staged: list[float] = []
         self._stop = asyncio.Event()
         self._started = False
@@ -98,7 +105,8 @@ class CoreFollow:
         self.staged_version = max(self.staged_version, int(r["staged"]))
         self.refused = set(r["refused"])
         self.num_failures = int(r["failures"])
-        self.fetch_s = float(r["fetch_s"])
+        if r["fetched"] is not None:
+            self.last_fetch = Fetched(int(r["fetched"][0]), float(r["fetched"][1]))
         if r["load_error"]:
             self.engine.last_stage_error = r["load_error"]
 

@@ -225,7 +225,8 @@ class CoreFollower:
             "staged": sync.staged_version if sync is not None else -1,
             "refused": sorted(sync.refused) if sync is not None else [],
             "failures": (sync.num_failures if sync is not None else 0) + self.failures,
-            "fetch_s": sync.last_fetch.total_s if sync is not None and sync.last_fetch is not None else 0.0,
+            "fetched": None if sync is None or sync.last_fetch is None else [sync.last_fetch.version,
+                                                                              sync.last_fetch.total_s],
             "load_error": self.last_load_error, "error": self.error, "alive": self.thread.is_alive(),
         }  # fmt: skip
 

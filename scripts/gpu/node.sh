@@ -6,7 +6,8 @@
 # The work: the copy task's prompts, every response NODE_NEW_TOKENS=128 tokens long (vllm.stop_on_eos=false: a
 # random-init model's lengths would be noise), 32 prompts x 8 samples a step. NODE_MODEL and NODE_GEN_DEVICES change
 # the model and the generators' GPUs (node_gpus.sh: a two-GPU rehearsal); NODE_LEARNER and NODE_GENERATOR add
-# overrides (e.g. NODE_LEARNER="megatron.recompute=false"). The generators write the
+# overrides (e.g. NODE_LEARNER="megatron.recompute=false"; NODE_GENERATOR="vllm.follow=core": the engine core follows
+# the versions itself, or NODE_GENERATOR="vllm.swap=pause": the swap before 2026-11-28). The generators write the
 # preset once into /root/arl-presets (vllm.work_dir): a second run on the same machine skips the ~80 s of building
 # moe-5b's random weights on the CPU.
 # Writes OUT/node-<gpu>x4-moe-5b-megatron-vllm-<date>.json (bench loop's summary: learner_nproc, generator_engine,
