@@ -8,7 +8,10 @@ versions (published under transformers' in-memory names) as it goes. Then the sa
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,11 +31,39 @@ VLLM_GENERATOR_ARGS = [
 ]  # fmt: skip
 
 
+class _Heartbeats:
+    """The run's generator heartbeats, heard on NATS in a thread of their own while the processes run."""
+
+    def __init__(self, url: str, subject: str) -> None:
+        self.beats: list[Any] = []
+        self._ready, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._listen(url, subject)), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(30), "no NATS subscription for the heartbeats"
+
+    async def _listen(self, url: str, subject: str) -> None:
+        from async_rl.servers.control import ControlPlane, Heartbeat
+
+        async def put(m: Any) -> None:
+            self.beats.append(m)
+
+        async with ControlPlane(url) as control:
+            await control.subscribe(subject, put, kinds=(Heartbeat,))
+            await control.flush()
+            self._ready.set()
+            await asyncio.to_thread(self._stop.wait)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 @pytest.mark.parametrize("follow", ["front", "core"])
 def test_vllm_generator_feeds_the_learner(servers: ServerSet, names: Names, tmp_path: Path, follow: str) -> None:
     """``vllm.follow``: the generator's process follows the learner's versions, or vLLM's engine core does
     (actors/generator/vllm_follow.py: its thread fetches each version and the scheduler loads it between steps)."""
     procs = Procs(servers, names, tmp_path / "run")
+    beats = _Heartbeats(servers.nats_url, names.heartbeat_subject)
     try:
         procs.learner(f"max_steps={NUM_STEPS}", "batch_groups=4")
         # on_run_end=wait: the generator outlives the learner's run end, so that it is stopped by SIGTERM below
@@ -71,7 +102,13 @@ def test_vllm_generator_feeds_the_learner(servers: ServerSet, names: Names, tmp_
         else:
             assert "the engine core follows versions" in log and "vLLM engine: version" not in log, procs.tails()
             assert max(versions) >= 1, versions  # versions after the first were taken by the engine core too
+        # What bench loop's version_to_applied_s and version_to_staged_s read, either way.
+        applied = [x for b in beats.beats for x in b.applied_latency_s]
+        staged = [x for b in beats.beats for x in b.staged_latency_s]
+        assert applied and staged and all(0 <= x < 60 for x in applied + staged), (applied, staged)
+        assert max(b.version for b in beats.beats) >= 1
     finally:
+        beats.close()
         procs.close()
 
 
