@@ -14,7 +14,8 @@
 #                 LOOP_CHECKPOINT_EVERY=100 steps: a Megatron checkpoint of this model takes ~40 s, the generator idles)
 #       mismatch  scripts/gpu/mismatch.py on moe-107m: each engine's logprobs against each learner backend's
 #       swap      scripts/gpu/vllm_swap.py on moe-1.6b: the engine's swaps over CUDA IPC while it generates, one GPU
-#                 (each vllm.swap mode in turn on one engine; SWAP_MODES=pause,boundary picks)
+#                 (each vllm.swap mode in turn on one engine, then follow-core: vllm.follow=core; SWAP_MODES=pause,boundary
+#                 picks)
 set -uo pipefail
 part=${1:?usage: vllm.sh PART OUT}
 out=${2:?usage: vllm.sh PART OUT}

@@ -3,8 +3,9 @@ versions published into GPU slots by a ``GpuPublisher`` in this process (the lea
 and half of them in turn) and copied by the engine's worker over CUDA IPC, as a generator on the learner's host takes them. No
 learner trains here: the figures are the swap's own (pause, in-worker load, copy), not a loop's.
 
-Each way a version goes into use (``vllm.swap``: pause, core, boundary; ``--modes``) takes ``--swaps`` versions in
-turn on the same engine, generating all along: per mode the pause, the copy, the time from the version's publish to
+Each way a version goes into use (``vllm.swap``: pause, core, boundary; then ``follow-core``, the engine core
+following the versions itself, ``vllm.follow="core"``; ``--modes``) takes ``--swaps`` versions in turn on the same
+engine, generating all along: per mode the pause, the copy, the time from the version's publish to
 its use, and the tokens generated meanwhile; ``applied_p50_vs_pause`` and ``tokens_per_s_vs_pause`` are each mode's
 ratios to ``pause`` in the same run.
 
@@ -43,15 +44,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from async_rl.model.config import ModelConfig
     from async_rl.model.presets import save_pretrained_dir
     from async_rl.run.names import Names
-    from async_rl.servers.embedded import start_redis
+    from async_rl.servers.control import ControlPlane
+    from async_rl.servers.embedded import start_nats, start_redis
     from async_rl.weights.config import PublisherConfig
     from async_rl.weights.gpu.publisher import GpuPublisher, local_slots
     from async_rl.weights.gpu.reader import GpuReader
 
     root = Path(tempfile.mkdtemp(prefix="arl-vllm-swap-"))
     model_dir = save_pretrained_dir(root / "a", preset=args.model, seed=0, dtype="bfloat16")
-    server = start_redis()
+    server, nats = start_redis(), start_nats()
     redis = aioredis.Redis.from_url(server.url)
+    control = await ControlPlane(nats.url, name="vllm-swap-bench").connect()  # the versions' announcements
     t0 = time.perf_counter()
     engine = await asyncio.to_thread(VLLMEngine, VLLMEngineConfig(
         model=ModelConfig(name=str(model_dir), dtype="bfloat16"), max_batch_prompts=args.prompts,
@@ -63,7 +66,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     weights = [a, {k: v * 0.5 for k, v in a.items()}]  # B: other values, the same layout (values do not matter here)
     names = Names(prefix=f"swap-{uuid.uuid4().hex[:8]}")
     cfg = PublisherConfig(gpu_dtype="bfloat16")
-    pub = GpuPublisher(redis, names, cfg, local_slots("cuda:0", cfg))
+    pub = GpuPublisher(redis, names, cfg, local_slots("cuda:0", cfg), control=control)
     await pub.clean()
     reader = GpuReader(redis, names, None)
     copier = engine.gpu_copier()
@@ -93,28 +96,37 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         await asyncio.sleep(1.0)  # generation under way
         for mode in args.modes.split(","):
-            engine.config = dataclasses.replace(engine.config, swap=mode)
+            follow = mode == FOLLOW_CORE  # the engine core follows the versions itself (vllm.follow="core")
+            engine.config = dataclasses.replace(engine.config, swap="boundary" if follow else mode,
+                                                follow="core" if follow else "front")  # fmt: skip
+            if follow:
+                await _start_follower(engine, names, server.url, nats.url)
             pauses, loads, copies, applied = [], [], [], []
             t1 = time.perf_counter()
             for _ in range(args.swaps):
                 version += 1
                 tensors = weights[version % 2]
                 assert await pub.offer(version, lambda t=tensors: t.items())
-                await pub.wait_idle()
-                t_pub = time.perf_counter()
-                await reader.fetch(version, copy=copier)
-                engine.stage_copied(version)
-                assert await engine.wait_applied(version, 60.0), engine.last_stage_error
-                applied.append(time.perf_counter() - t_pub)
-                pauses.append(engine.last_swap_pause_s)
-                loads.append(engine.last_load_s)
-                copies.append(engine.last_stage_s)
+                await pub.wait_idle()  # committed and announced
+                t_pub, t_pub_unix = time.perf_counter(), time.time()
+                if follow:
+                    at, pause = await _followed(engine, version)
+                    applied.append(at - t_pub_unix)
+                    pauses.append(pause)
+                else:
+                    await reader.fetch(version, copy=copier)
+                    engine.stage_copied(version)
+                    assert await engine.wait_applied(version, 60.0), engine.last_stage_error
+                    applied.append(time.perf_counter() - t_pub)
+                    pauses.append(engine.last_swap_pause_s)
+                    loads.append(engine.last_load_s)
+                    copies.append(engine.last_stage_s)
                 await asyncio.sleep(args.interval_s)
             modes[mode] = {
                 "swaps": len(pauses),
                 "swap_pause_ms": {"p50": _p(pauses, 0.5) * ms, "p95": _p(pauses, 0.95) * ms, "max": max(pauses) * ms},
-                "load_ms": {"p50": _p(loads, 0.5) * ms, "p95": _p(loads, 0.95) * ms},
-                "copy_ms": {"p50": _p(copies, 0.5) * ms, "p95": _p(copies, 0.95) * ms},
+                "load_ms": {"p50": _p(loads, 0.5) * ms, "p95": _p(loads, 0.95) * ms} if loads else None,
+                "copy_ms": {"p50": _p(copies, 0.5) * ms, "p95": _p(copies, 0.95) * ms} if copies else None,
                 "published_to_applied_ms": {"p50": _p(applied, 0.5) * ms, "p95": _p(applied, 0.95) * ms},
                 "window_s": (t1, time.perf_counter()),
                 "mean_pause_ms": statistics.fmean(pauses) * ms,
@@ -124,8 +136,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         done.set()
         await gen  # the last call ends after the last window: every window's calls are in
         await engine.close()
+        await control.close()
         await redis.aclose()
         server.stop()
+        nats.stop()
     for r in modes.values():
         r["generated_tokens_per_s"] = rate(*r.pop("window_s"))
     base = modes.get("pause")
@@ -140,6 +154,39 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
+FOLLOW_CORE = "follow-core"
+"""The mode in which the engine core follows the versions itself (``vllm.follow="core"``): the version's announcement
+on NATS is all this process sends; the applied time is the engine core's own, from its report."""
+
+
+async def _start_follower(engine: Any, names: Any, redis_url: str, nats_url: str) -> None:
+    """The engine core's follower on this run (as a generator with ``vllm.follow="core"`` starts it)."""
+    from actors.generator.config import GeneratorConfig, WeightSyncConfig
+    from async_rl.config.configurable import to_dict
+    from async_rl.run.config import RunConfig
+
+    cfg = GeneratorConfig(engine="vllm", generator_id="vllm-swap-bench", vllm=engine.config,
+                          run=RunConfig(prefix=names.prefix, redis_url=redis_url, nats_url=nats_url),
+                          weight_sync=WeightSyncConfig(first_version_timeout_s=0))  # fmt: skip
+    await engine.core_call("arl_follow_start", to_dict(cfg))
+
+
+async def _followed(engine: Any, version: int, timeout_s: float = 60.0) -> tuple[float, float]:
+    """The engine core's unix time of the swap to ``version`` and the last load's GPU seconds known, from its
+    reports (asked every 2 ms)."""
+    deadline, pause = time.monotonic() + timeout_s, 0.0
+    while time.monotonic() < deadline:
+        r = await engine.core_call("arl_follow_report")
+        if r["error"] is not None or r["load_error"]:
+            raise RuntimeError(f"the engine core's follower: {r['error'] or r['load_error']}")
+        pause = r["pauses"][-1] if r["pauses"] else pause
+        for v, at in r["swaps"]:
+            if int(v) == version:
+                return float(at), pause
+        await asyncio.sleep(0.002)
+    raise TimeoutError(f"the engine core did not take version {version} within {timeout_s} s")
+
+
 def main() -> None:
     import logging
 
@@ -150,7 +197,8 @@ def main() -> None:
     p.add_argument("--swaps", type=int, default=30, help="versions swapped in (default 30)")
     p.add_argument("--prompts", type=int, default=128, help="prompts generating meanwhile, 200 tokens each")
     p.add_argument("--interval-s", type=float, default=0.3, help="seconds between versions (default 0.3)")
-    p.add_argument("--modes", default="pause,core,boundary", help="vllm.swap modes, in turn (default all three)")
+    p.add_argument("--modes", default="pause,core,boundary,follow-core",
+                   help="vllm.swap modes, in turn, and follow-core (vllm.follow=core); default all four")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.45, help="vLLM's share of the GPU")
     args = p.parse_args()
     out = asyncio.run(run(args))
