@@ -1,4 +1,4 @@
-"""Weight versions followed inside vLLM's engine core process (``weight_sync.in_engine``; one GPU an engine).
+"""Weight versions followed inside vLLM's engine core process (``vllm.follow="core"``; one GPU an engine).
 
 The generator's process follows versions with :class:`~actors.generator.weight_sync.WeightSync` on its event loop,
 which also runs vLLM's front end: on a busy node that loop answered 37-71 ms late (p50 of each heartbeat's worst),
@@ -13,9 +13,9 @@ The scheduler takes a ready version at its next step (:meth:`CoreFollower.apply_
 (:meth:`CoreFollower.report`, a utility call at each heartbeat). An idle engine core runs no step: a ready version
 is then applied from vLLM's idle callbacks, in the core's thread, the core woken for it.
 
-The engine core's methods ``arl_follow_start`` and ``arl_follow_report`` (:func:`start`, :func:`report`) are given to
-vLLM's ``EngineCore`` by :func:`actors.generator.vllm_swap.install`. The engine runs with ``UniProcExecutor``
-(``distributed_executor_backend="uni"``) so that its worker is in this process.
+The engine core's methods ``arl_follow_start``, ``arl_follow_report`` and ``arl_follow_stop`` (:func:`start`,
+:func:`report`, :func:`stop`) are given to vLLM's ``EngineCore`` by :func:`actors.generator.vllm_swap.install`. The
+engine runs with ``UniProcExecutor`` (``distributed_executor_backend="uni"``) so that its worker is in this process.
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def start(core: Any, cfg: dict[str, Any]) -> bool:
         raise RuntimeError("this engine core follows weight versions already")
     executor = core.model_executor
     if not hasattr(executor, "driver_worker"):
-        raise RuntimeError(f"weight_sync.in_engine needs vLLM's worker in the engine core's process "
+        raise RuntimeError(f"vllm.follow='core' needs vLLM's worker in the engine core's process "
                            f"(UniProcExecutor), not {type(executor).__name__}")  # fmt: skip
     FOLLOWER = CoreFollower(core, cfg)
     FOLLOWER.thread.start()

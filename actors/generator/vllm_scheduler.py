@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from actors.generator.vllm_step_labels import StepLabels, forget, forget_gone, request_id_list
+
 SCHEDULER_CLS = "actors.generator.vllm_scheduler.ArlScheduler"
 """The qualified name the engine's arguments give vLLM (``AsyncEngineArgs.scheduler_cls``)."""
 
@@ -96,20 +98,15 @@ class HoldUntilFinal:
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         held = self.__dict__.setdefault("_arl_held", {})
         hold_until_final(outputs, self.requests, held)
-        if len(held) > len(self.requests):  # a request that ended without an output here (none known: a guard)
-            for rid in [r for r in held if r not in self.requests]:
-                del held[rid]
+        forget_gone(held, self.requests)
         return outputs
 
     def finish_requests(self, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
         """Aborted requests (the front end's, the engine's; None: all) end without an output: forget what was kept
         for them."""
-        ids = None if request_ids is None else [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = request_id_list(request_ids)
         result = super().finish_requests(ids, *args, **kwargs)  # type: ignore[misc]
-        held = self.__dict__.get("_arl_held")
-        if held:
-            for rid in list(held) if ids is None else ids:
-                held.pop(rid, None)
+        forget(self.__dict__.get("_arl_held"), ids)
         return result
 
 
@@ -124,8 +121,6 @@ def scheduler_class(asynchronous: bool) -> type:
             from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
         else:
             from vllm.v1.core.sched.scheduler import Scheduler as base
-        from actors.generator.vllm_step_labels import StepLabels
-
         _CLASSES[asynchronous] = type(f"Arl{base.__name__}", (StepLabels, HoldUntilFinal, base), {})
     return _CLASSES[asynchronous]
 

@@ -60,6 +60,28 @@ def label_outputs(outputs: dict[int, Any], label: str, seen: dict[str, RequestLa
                 out.kv_transfer_params = params
 
 
+def request_id_list(request_ids: Any) -> list[str] | None:
+    """What vLLM's scheduler's ``finish_requests`` takes (an id, ids of any iterable, None: all) as a list, so that
+    it can be read again after vLLM's own method consumed it."""
+    if request_ids is None:
+        return None
+    return [request_ids] if isinstance(request_ids, str) else list(request_ids)
+
+
+def forget(kept: dict[str, Any] | None, ids: list[str] | None) -> None:
+    """Drop what a scheduler mix-in ``kept`` for requests ``ids`` (None: all), which ended without a last output."""
+    if kept:
+        for rid in list(kept) if ids is None else ids:
+            kept.pop(rid, None)
+
+
+def forget_gone(kept: dict[str, Any], requests: dict[str, Any]) -> None:
+    """A guard: what was kept for a request no longer live, which ended without an output here (none known)."""
+    if len(kept) > len(requests):
+        for rid in [r for r in kept if r not in requests]:
+            del kept[rid]
+
+
 class StepLabels:
     """Mixed in before vLLM's scheduler class (module docstring). :meth:`arl_relabel` is called by the engine core's
     swap (:func:`~actors.generator.vllm_swap.arl_swap_boundary`) in the core's own thread, between steps."""
@@ -67,6 +89,7 @@ class StepLabels:
     _arl_label: str
     _arl_stamps: dict[int, tuple[Any, str]]
     _arl_seen: dict[str, RequestLabels]
+    requests: dict[str, Any]
 
     def arl_relabel(self, label: str) -> None:
         """The steps scheduled from now on run on the weights labelled ``label``."""
@@ -90,16 +113,14 @@ class StepLabels:
         label = stamp[1] if stamp is not None else self.__dict__.get("_arl_label", "-1")
         seen = self.__dict__.setdefault("_arl_seen", {})
         label_outputs(outputs, label, seen)
+        forget_gone(seen, self.requests)
         return outputs
 
     def finish_requests(self, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
         """Aborted requests end without a last output: forget their counts."""
-        ids = None if request_ids is None else [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = request_id_list(request_ids)
         result = super().finish_requests(ids, *args, **kwargs)  # type: ignore[misc]
-        seen = self.__dict__.get("_arl_seen")
-        if seen:
-            for rid in list(seen) if ids is None else ids:
-                seen.pop(rid, None)
+        forget(self.__dict__.get("_arl_seen"), ids)
         return result
 
 

@@ -26,13 +26,16 @@ class _Base:
     """What the mixin needs of vLLM's scheduler: steps scheduled, their outputs later, in order."""
 
     def __init__(self) -> None:
-        self.made: dict[int, dict[int, Any]] = {}
+        self.requests: dict[str, Any] = {rid: None for rid in "abcxyz"}
         self.aborted: list[Any] = []
 
     def schedule(self) -> Any:
         return SimpleNamespace()
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
+        for out in model_runner_output[0].outputs:  # vLLM frees a finished request before its outputs go out
+            if out.finish_reason is not None:
+                self.requests.pop(out.request_id, None)
         return model_runner_output
 
     def finish_requests(self, request_ids: Any, status: Any) -> list:
@@ -98,3 +101,14 @@ def test_the_front_end_takes_the_spans_out_before_vllm_builds_the_output() -> No
     assert seen == [final] and final.kv_transfer_params is None
     assert spans.spans("a", SimpleNamespace(token_ids=[0] * 5)) == [("3", 0, 2), ("4", 2, 5)]  # cut to the tokens
     assert spans.spans_by_request == {}
+
+
+def test_a_request_gone_without_a_last_output_is_forgotten() -> None:
+    """The guard the logprobs hold has too: once more requests are counted than live, the counts of those no longer
+    live are dropped at the next step."""
+    s = _scheduler()
+    s.requests = {"x": None, "y": None}
+    s.update_from_output(s.schedule(), _outputs(["x", "y"], 0))
+    del s.requests["x"]  # freed by vLLM without an output or an abort here
+    s.update_from_output(s.schedule(), _outputs(["y"], 1))
+    assert set(s._arl_seen) == {"y"}
