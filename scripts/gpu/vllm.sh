@@ -11,7 +11,8 @@
 #                 are written once into /root/arl-presets, where node.sh's generators keep theirs: a run after
 #                 node.sh on the same machine skips building them (moe-5b: about 80 s on the CPU)
 #       loop      bench loop on moe-1.6b: Megatron learner on GPU 0, a vLLM generator on GPU 1 (checkpoints every
-#                 LOOP_CHECKPOINT_EVERY=100 steps: a Megatron checkpoint of this model takes ~40 s, the generator idles)
+#                 LOOP_CHECKPOINT_EVERY=100 steps: a Megatron checkpoint of this model takes ~40 s, the generator idles;
+#                 LOOP_GENERATOR adds the generator's overrides, e.g. "vllm.follow=core"; LOOP_TAG goes into the names)
 #       mismatch  scripts/gpu/mismatch.py on moe-107m: each engine's logprobs against each learner backend's
 #       swap      scripts/gpu/vllm_swap.py on moe-1.6b: the engine's swaps over CUDA IPC while it generates, one GPU
 #                 (each vllm.swap mode in turn on one engine, then follow-core: vllm.follow=core; SWAP_MODES=pause,boundary
@@ -36,15 +37,18 @@ generate)
         --json "$out/generate-$gpu-$model-$day.json" > "$out/generate.log" 2>&1
     rc=$?; tail -30 "$out/generate.log"; exit $rc ;;
 loop)
+    extra=(); for kv in ${LOOP_GENERATOR:-}; do extra+=(--generator "$kv"); done
+    run_dir=/tmp/run-loop-vllm-$(date +%s)  # a fresh one: bench loop refuses a directory that holds a run
+    tag=${LOOP_TAG:+-$LOOP_TAG}
     timeout ${LOOP_TIMEOUT:-590} python3 -m actors.commands bench loop --model moe-1.6b --device cuda --backend megatron --steps ${LOOP_STEPS:-50} \
         --max-minutes ${LOOP_MINUTES:-8} --generators 1 --generator-engine vllm --generator-devices cuda:1 --learner megatron.lr=1e-5 --learner checkpoint.every=${LOOP_CHECKPOINT_EVERY:-100} \
-        --json "$out/loop-$gpu-1.6b-megatron-vllm-$day.json" --run-dir /tmp/run-loop-vllm \
-        > "$out/loop.log" 2>&1
-    rc=$?; tail -5 "$out/loop.log"; for f in /tmp/run-loop-vllm/*.log; do echo "== $f"; tail -8 "$f"; done \
-        > "$out/loop-process-logs.txt"
+        "${extra[@]}" --json "$out/loop-$gpu-1.6b-megatron-vllm$tag-$day.json" --run-dir "$run_dir" \
+        > "$out/loop$tag.log" 2>&1
+    rc=$?; tail -5 "$out/loop$tag.log"; for f in "$run_dir"/*.log; do echo "== $f"; tail -8 "$f"; done \
+        > "$out/loop$tag-process-logs.txt"
     # each swap's breakdown (staged, paused, of which vLLM's in-place load), from the generator's log
-    grep -h "vLLM engine: version" /tmp/run-loop-vllm/generator-*.log >> "$out/loop-process-logs.txt"
-    tail -40 "$out/loop-process-logs.txt"; exit $rc ;;
+    grep -h "vLLM engine: version" "$run_dir"/generator-*.log >> "$out/loop$tag-process-logs.txt"
+    tail -40 "$out/loop$tag-process-logs.txt"; exit $rc ;;
 mismatch)
     timeout 580 python3 scripts/gpu/mismatch.py --model moe-107m --engines ${MISMATCH_ENGINES:-vllm,vllm-fp32,torch} --json "$out/mismatch-$gpu-moe-107m-$day.json" \
         > "$out/mismatch.log" 2>&1

@@ -1,6 +1,6 @@
 """The project's vLLM engine on a GPU (vLLM 0.25.1 on the GPU machines): logprobs and native routes against a full
 forward, a swap against a freshly started engine, versions across a swap, weights over CUDA IPC bit for bit (also
-versions copied while a swap runs), TP=2.
+versions copied while a swap runs, versions the engine core follows by itself), TP=2.
 
 Model: the ``moe-107m`` preset in bf16 (8 layers, 32 experts top-4). References run the same checkpoint in
 transformers, in fp32 (from the bf16 weights), so the gaps below are vLLM's bf16 compute and kernels. Figures the
@@ -305,6 +305,66 @@ async def _check_copies_during_swaps(engine: VLLMEngine, engine_b: VLLMEngine, s
         if keys:
             await redis.delete(*keys)
         await redis.aclose()
+
+
+@shared_loop
+async def test_the_engine_core_follows_versions_bit_for_bit(engine: VLLMEngine, engine_b: VLLMEngine, servers,
+                                                          model_dirs: tuple[Path, Path]) -> None:  # fmt: skip
+    """``vllm.follow="core"``: versions announced on NATS are fetched over CUDA IPC, checked and loaded by the
+    engine core's own thread while sequences generate; this process only reads its report. B, A, B: each in use bit
+    for bit, every output's versions among those published and never going back. Last on ``engine``: the follower
+    stays its own once started."""
+    import redis.asyncio as aioredis
+
+    from actors.generator.config import GeneratorConfig, WeightSyncConfig
+    from actors.generator.core_follow import CoreFollow
+    from async_rl.run.config import RunConfig
+    from async_rl.run.names import Names
+    from async_rl.servers.control import ControlPlane
+    from async_rl.weights.config import PublisherConfig
+    from async_rl.weights.gpu.publisher import GpuPublisher, local_slots
+
+    names = Names(prefix=f"t-vllm-{uuid.uuid4().hex[:8]}")
+    redis = aioredis.Redis.from_url(servers.redis_url)
+    control = await ControlPlane(servers.nats_url, name="test-vllm-follow").connect()
+    cfg = PublisherConfig(gpu_dtype="bfloat16", gpu_bucket_bytes=64 << 20)
+    pub = GpuPublisher(redis, names, cfg, local_slots("cuda:0", cfg), control=control)
+    engine.config = dataclasses.replace(engine.config, swap="boundary", follow="core")
+    follow = CoreFollow(engine, GeneratorConfig(
+        engine="vllm", generator_id="test-vllm-follow", vllm=engine.config,
+        run=RunConfig(prefix=names.prefix, redis_url=servers.redis_url, nats_url=servers.nats_url),
+        weight_sync=WeightSyncConfig(first_version_timeout_s=0)))  # fmt: skip
+    params = SamplingParams(max_new_tokens=200, temperature=1.0, mask_special_tokens=False)
+    try:
+        await pub.clean()
+        assert await follow.start()
+        want_b = await _digest(engine_b)
+        before = engine.version
+        first = max(before, 60) + 1
+        busy = asyncio.ensure_future(engine.generate(_prompts(16, seed=4, length=8), params))
+        for i, weights in enumerate((1, 0, 1)):
+            assert await pub.offer(first + i, lambda s=_source(model_dirs[weights], "fused"): s)
+            await pub.wait_idle()
+            for _ in range(int(SWAP_TIMEOUT_S / 0.01)):
+                await follow.poll()
+                if engine.version >= first + i:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.version == first + i, f"version {first + i} not in use: {engine.last_stage_error}"
+            got = await _digest(engine)
+            assert (got == want_b) == (weights == 1), f"version {first + i}: {'A' if weights == 0 else 'B'} wanted"
+        assert follow.num_failures == 0 and not follow.refused
+        for (c,) in await busy:
+            assert set(np.unique(c.versions)) <= {before, first, first + 1, first + 2}
+            assert (np.diff(c.versions) >= 0).all()
+    finally:
+        await follow.close()
+        await control.close()
+        keys = [k async for k in redis.scan_iter(match=names.all_key_pattern())]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()
+
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 async def test_tensor_parallel_2_takes_host_and_ipc_versions(model_dirs: tuple[Path, Path], servers) -> None:
