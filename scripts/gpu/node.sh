@@ -117,13 +117,18 @@ done > "$out/node-process-logs.txt"
 grep -h "vLLM engine: version" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
 grep -H "Avg generation throughput" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
 whole_tracebacks "$run_dir"/*.log >> "$out/node-process-logs.txt"
+grep -H "^\(\[rank[0-9]*\]:\)\?async-rl [a-z-]*: " "$run_dir"/*.log >> "$out/node-process-logs.txt"  # why a role stopped
 tail -40 "$out/node-process-logs.txt"
+# The final checkpoint of moe-5b (parameters and Adam's state in fp32: ~60 GB) stays behind otherwise: a second run on
+# the same machine (two H200s, 128 GiB of disk) had its learner exit 1 at its last step, when it writes its own, with
+# no traceback (2026-11-28; its line was not kept then: the grep above keeps it now).
+rm -rf "$run_dir/checkpoints"
 python3 - "$json" <<'PY' || true
 import json, sys
 s = json.load(open(sys.argv[1]))
 keys = ("outcome", "steps", "learner_nproc", "generator_engine", "steps_per_s", "train_s", "learner_idle_frac",
         "generator_idle_frac", "learner_tokens_per_s_per_gpu", "generator_tokens_per_s_per_gpu",
-        "generator_gpus_per_learner_gpu", "version_to_applied_s", "peak_memory_gib", "tracebacks")
+        "generator_gpus_per_learner_gpu", "version_to_applied_s", "peak_memory_gib", "tracebacks", "exit_lines")
 print({k: s.get(k) for k in keys})
 PY
 exit $rc

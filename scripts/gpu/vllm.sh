@@ -48,6 +48,7 @@ loop)
         > "$out/loop$tag-process-logs.txt"
     # each swap's breakdown (staged, paused, of which vLLM's in-place load), from the generator's log
     grep -h "vLLM engine: version" "$run_dir"/generator-*.log >> "$out/loop$tag-process-logs.txt"
+    rm -rf "$run_dir/checkpoints"  # moe-1.6b's final checkpoint, ~20 GB: a machine's disk holds few
     tail -40 "$out/loop$tag-process-logs.txt"; exit $rc ;;
 mismatch)
     timeout 580 python3 scripts/gpu/mismatch.py --model moe-107m --engines ${MISMATCH_ENGINES:-vllm,vllm-fp32,torch} --json "$out/mismatch-$gpu-moe-107m-$day.json" \

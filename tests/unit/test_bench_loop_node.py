@@ -186,3 +186,18 @@ def test_generators_are_measured_while_the_learner_steps_not_during_its_final_ch
     assert out["generator_idle_frac"] == pytest.approx(0.0)
     assert out["generator_tokens_per_s"] == pytest.approx(2000.0)
     assert out["generator_loop_lag_ms"] == {"p50": 5.0, "max": 5.0}
+
+
+def test_exit_lines_keep_each_roles_own_words_on_why_it_stopped(tmp_path: Path) -> None:
+    """A learner under torchrun that fails on purpose prints one line and exits 1; torchrun's own traceback follows
+    and is all ``tracebacks`` holds, so the summary keeps the role's line."""
+    (tmp_path / "learner.log").write_text(
+        "11:14:08 learner INFO actors.learner.loop: step 30 v30\n"
+        "[rank1]:async-rl learner: No space left on device: '/tmp/run/checkpoints/step-30'; exiting\n"
+        "Traceback (most recent call last):\n  File \"/opt/torch/.venv/bin/torchrun\", line 10, in <module>\n")
+    (tmp_path / "generator-0.log").write_text("async-rl generator: gen-0: NATS lost for good; exiting\n"
+                                              "INFO the async-rl generator: not a line of its own\n")  # fmt: skip
+    assert loop.exit_lines(tmp_path) == [
+        "generator-0.log: async-rl generator: gen-0: NATS lost for good; exiting",
+        "learner.log: [rank1]:async-rl learner: No space left on device: '/tmp/run/checkpoints/step-30'; exiting"]
+    assert loop.tracebacks(tmp_path) == ['learner.log: File "/opt/torch/.venv/bin/torchrun", line 10, in <module>']

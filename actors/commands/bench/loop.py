@@ -32,7 +32,8 @@ it the learner saves its checkpoint, a minute of moe-5b, and generators with no 
 ``peak_memory_gib`` (the learner's, GPU), ``learner_tokens_per_s_per_gpu`` and ``generator_tokens_per_s_per_gpu``
 (each side's tokens/s over its GPUs: the learner's ranks, the generators' distinct devices; on CUDA),
 ``generator_gpus_per_learner_gpu`` (the split those rates and idle fractions point to: :func:`split`),
-``tracebacks`` (lines in any process log; a clean run has none); with
+``tracebacks`` (lines in any process log; a clean run has none), ``exit_lines`` (each role's one line on why it
+stopped, where it said one: a learner that exits 1 without a traceback names its cause there); with
 ``--target``, ``wall_to_target_s`` and ``steps_to_target``.
 
 ``moe-107m`` is the GPU benchmark model of the publishing and Megatron issues (a preset: every process builds
@@ -52,6 +53,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -337,6 +339,19 @@ def tracebacks(run_dir: Path) -> list[str]:
     return found
 
 
+def exit_lines(run_dir: Path) -> list[str]:
+    """The lines in which a role told its supervisor why it stopped (``async-rl learner: ...; exiting``: a role that
+    fails on purpose says so in one line, with no traceback), from each process log."""
+    found = []
+    for log_path in sorted(run_dir.glob("*.log")):
+        found += [f"{log_path.name}: {line}" for line in log_path.read_text(errors="replace").splitlines()
+                  if EXIT_LINE.match(line)]  # fmt: skip
+    return found
+
+
+EXIT_LINE = re.compile(r"^(\[rank\d+\]:)?async-rl [\w-]+: ")
+
+
 def held_run(run_dir: Path | None) -> str | None:
     """The refusal of a ``--run-dir`` that holds a run already (its learner would resume it, and a finished one
     trains 0 steps): a benchmark measures a fresh run."""
@@ -434,7 +449,7 @@ async def run_loop(args: argparse.Namespace) -> dict[str, Any]:
         "generator_devices": args.generator_devices or args.device, "lr": args.lr, "learner_overrides": args.learner,
         "generator_overrides": args.generator, "outcome": outcome, "wall_s": round(time.time() - t0, 1),
         **summarize(events, beats, args.warmup_steps, t0, args.target), "tracebacks": tracebacks(run_dir),
-        "run_dir": str(run_dir), "signalled": stop.is_set(),
+        "exit_lines": exit_lines(run_dir), "run_dir": str(run_dir), "signalled": stop.is_set(),
     }  # fmt: skip
     summary.update(per_gpu_rates(summary, args))
     summary["generator_gpus_per_learner_gpu"] = split(summary)
