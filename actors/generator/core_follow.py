@@ -100,6 +100,9 @@ class CoreFollow:
         while len(self.taken_at) > TAKEN_AT_KEPT:
             del self.taken_at[min(self.taken_at)]
         self.engine.note_core_swaps([(int(v), float(t)) for v, t in r["swaps"]], r["pauses"])
+        for v in r["versions"]:
+            log.info("vLLM engine core: version %d %s, in use %s after it was ready (its load %s on the GPU)", v["version"],
+                     _copied(v["copy"]), _s(v["waited_s"]), _s(v["gpu_s"]))  # fmt: skip
         self._staged = [*self._staged, *r["staged_latencies"]][-TAKEN_AT_KEPT:]
         self.wanted_version = max(self.wanted_version, int(r["wanted"]))
         self.staged_version = max(self.staged_version, int(r["staged"]))
@@ -120,3 +123,15 @@ class CoreFollow:
             self._started = False
             with contextlib.suppress(Exception):  # the engine may be gone already
                 await self.engine.core_call("arl_follow_stop")
+
+
+def _s(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds:.3f} s"
+
+
+def _copied(c: dict[str, Any] | None) -> str:
+    """A version's copy, as the engine's own line in the front-end mode says it."""
+    if c is None:
+        return "staged from the host"
+    return (f"copied from the learner's GPU in {c['s']:.3f} s (in the worker {c['worker_s']:.3f}: copy and checksums "
+            f"{c['copy_s']:.3f}, views {c['prepare_s']:.3f}; loads by {c['load']})")

@@ -58,8 +58,13 @@ class CoreStage:
     async def _copy(self, manifest: Any) -> Any:
         from actors.generator.vllm_worker_copies import copies_agree
 
+        t0 = time.perf_counter()
         result = await asyncio.to_thread(self.follower.copy_here, manifest)
-        return copies_agree([result], manifest.version)
+        copied = copies_agree([result], manifest.version)
+        self.follower.copies[manifest.version] = {
+            "s": time.perf_counter() - t0, "worker_s": result["s"], "copy_s": result["copy_s"],
+            "prepare_s": result["prepare_s"], "load": result["load"]}  # fmt: skip
+        return copied
 
     def stage_copied(self, version: int) -> None:
         self.follower.mark_ready(version)
@@ -99,6 +104,11 @@ class CoreFollower:
         self.last_load_error: str | None = None
         self.swaps: list[tuple[int, float]] = []
         self.pauses: list[float] = []
+        self.copies: dict[int, dict[str, Any]] = {}
+        """Each GPU version's copy, by version (:meth:`CoreStage._copy`): its seconds and the worker's breakdown."""
+        self._ready_at: dict[int, float] = {}
+        self.versions: list[dict[str, Any]] = []
+        """Each version put in use since the last report: its copy, its wait from ready to the load, the load."""
         self.failures = 0
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -176,6 +186,7 @@ class CoreFollower:
         with self.lock:
             if self.ready is None or version > self.ready:
                 self.ready = version
+            self._ready_at[version] = time.perf_counter()
             armed, self._idle_armed = self._idle_armed, True
         if not armed:  # one callback at a time: a core busy for hours would gather one a version
             self.core._idle_state_callbacks.append(self._on_idle)
@@ -209,16 +220,25 @@ class CoreFollower:
         self.swaps = [*self.swaps[-(KEPT - 1):], (version, time.time())]
         if r["gpu_s"] is not None:
             self.pauses = [*self.pauses[-(KEPT - 1):], float(r["gpu_s"])]
+        ready_at = self._ready_at.get(version)
+        self.versions = [*self.versions[-(KEPT - 1):], {
+            "version": version, "copy": self.copies.get(version), "gpu_s": r["gpu_s"],
+            "waited_s": None if ready_at is None else time.perf_counter() - ready_at}]  # fmt: skip
+        for kept in (self.copies, self._ready_at):  # this version's and the ones it overtook
+            for v in [v for v in kept if v <= version]:
+                del kept[v]
 
     def report(self) -> dict[str, Any]:
-        """What the generator's process shows (its heartbeat), taken: swaps since the last report with their
-        snapshot-to-applied seconds, pauses, snapshot-to-staged seconds, and the sync's state."""
+        """What the generator's process shows (its heartbeat, its log), taken: swaps since the last report with their
+        snapshot-to-applied seconds, pauses, each version's breakdown, snapshot-to-staged seconds, the sync's
+        state."""
         sync = self._sync
         taken = dict(sync.taken_at) if sync is not None else {}
         swaps, self.swaps = self.swaps, []
         pauses, self.pauses = self.pauses, []
+        versions, self.versions = self.versions, []
         return {
-            "version": self.applied, "swaps": swaps, "pauses": pauses,
+            "version": self.applied, "swaps": swaps, "pauses": pauses, "versions": versions,
             "staged_latencies": sync.take_staged_latencies() if sync is not None else [],
             "taken_at": {str(v): taken[v] for v, _ in swaps if v in taken},
             "wanted": sync.wanted_version if sync is not None else -1,

@@ -77,3 +77,45 @@ def test_a_load_that_fails_keeps_the_old_weights_and_is_reported() -> None:
     f.mark_ready(3)  # the next version loads
     f.apply_ready(core.scheduler)
     assert f.applied == 3 and worker.loaded == [1, 3]
+
+
+async def test_each_version_in_use_is_reported_once_with_its_copy_and_logged_by_the_generator(caplog) -> None:
+    """The front end's mode logs each version's copy and swap; here the engine core does both, and its log lines
+    would stay in its process: its report carries them and the generator's process logs one line a version."""
+    import logging
+    from types import MethodType
+
+    from actors.generator.core_follow import CoreFollow
+    from actors.generator.vllm_follow import CoreStage
+
+    worker = _Worker()
+    f, core = _follower(worker)
+    f.copy_here = MethodType(lambda self, manifest: {  # what the worker's arl_copy_ipc answers
+        "sums": [7], "copied_at": 1.0, "s": 0.031, "copy_s": 0.022, "prepare_s": 0.006, "load": "replay"}, f)
+    stage = CoreStage(f)
+    for v in (1, 2, 3):
+        await stage._copy(SimpleNamespace(version=v))
+        stage.stage_copied(v)
+        if v != 2:  # version 2 is overtaken by 3 before a step: one line, for 3
+            f.apply_ready(core.scheduler)
+    f.mark_ready(4)  # a host version (stage_host): ready with no copy
+    f.apply_ready(core.scheduler)
+    r = f.report()
+    assert [v["version"] for v in r["versions"]] == [1, 3, 4] and f.report()["versions"] == []
+    assert r["versions"][1]["copy"]["copy_s"] == 0.022 and r["versions"][2]["copy"] is None
+    assert all(v["waited_s"] >= 0 for v in r["versions"]) and f.copies == {} and f._ready_at == {}
+
+    class _Engine:
+        version = -1
+
+        async def core_call(self, method: str) -> dict[str, Any]:
+            return {**r, "swaps": [], "pauses": [], "staged_latencies": [], "alive": True}
+
+        def note_core_swaps(self, swaps: list, pauses: list) -> None:
+            pass
+
+    caplog.set_level(logging.INFO, logger="actors.generator.core_follow")
+    await CoreFollow(_Engine(), GeneratorConfig(engine="vllm")).poll()
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert len(lines) == 3 and lines[2].startswith("vLLM engine core: version 4 staged from the host, in use")
+    assert "version 3 copied from the learner's GPU in" in lines[1] and "copy and checksums 0.022" in lines[1]
