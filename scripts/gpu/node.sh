@@ -13,7 +13,7 @@
 # Writes OUT/node-<gpu>x4-moe-5b-megatron-vllm-<date>.json (bench loop's summary: learner_nproc, generator_engine,
 # learner_idle_frac, generator_idle_frac, learner_ and generator_tokens_per_s_per_gpu, version_to_applied_s),
 # OUT/node.log (bench loop's output) and OUT/node-process-logs.txt (the tail of each process's log, then every
-# "vLLM engine: version" line of the generators: each swap's breakdown).
+# "vLLM engine: version" line of the generators, "vLLM engine core: version" with vllm.follow=core: each swap's breakdown).
 # The learner's micro-batches hold up to NODE_MICRO_BATCH_TOKENS=65536 padded tokens (half on each data-parallel
 # rank): a step's 256 sequences of about 135 tokens (~36k padded) in one. At EP=2 a micro-batch of moe-5b has a cost
 # that hardly shrinks with its size (24 layers, each with the MoE all-to-all's host syncs, in the forward and the
@@ -110,11 +110,11 @@ rc=$?
 touch "$run_dir.ended"; wait  # the profile, if one is under way
 tail -5 "$out/node.log"
 for f in "$run_dir"/*.log; do  # each log's first and last lines (start-up, then how it ended), the noise left out
-    grep -v " DEBUG \|main_grad.dtype\|vLLM engine: version\|warnings.warn\|Avg generation throughput" "$f" \
+    grep -v " DEBUG \|main_grad.dtype\|vLLM engine\( core\)\?: version\|warnings.warn\|Avg generation throughput" "$f" \
         > /tmp/node-log-part
     echo "== $f"; head -25 /tmp/node-log-part; echo "..."; tail -35 /tmp/node-log-part
 done > "$out/node-process-logs.txt"
-grep -h "vLLM engine: version" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
+grep -h "vLLM engine\( core\)\?: version" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
 grep -H "Avg generation throughput" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
 whole_tracebacks "$run_dir"/*.log >> "$out/node-process-logs.txt"
 grep -H "^\(\[rank[0-9]*\]:\)\?async-rl [a-z-]*: " "$run_dir"/*.log >> "$out/node-process-logs.txt"  # why a role stopped

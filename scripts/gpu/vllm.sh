@@ -47,7 +47,7 @@ loop)
     rc=$?; tail -5 "$out/loop$tag.log"; for f in "$run_dir"/*.log; do echo "== $f"; tail -8 "$f"; done \
         > "$out/loop$tag-process-logs.txt"
     # each swap's breakdown (staged, paused, of which vLLM's in-place load), from the generator's log
-    grep -h "vLLM engine: version" "$run_dir"/generator-*.log >> "$out/loop$tag-process-logs.txt"
+    grep -h "vLLM engine\( core\)\?: version" "$run_dir"/generator-*.log >> "$out/loop$tag-process-logs.txt"
     rm -rf "$run_dir/checkpoints"  # moe-1.6b's final checkpoint, ~20 GB: a machine's disk holds few
     tail -40 "$out/loop$tag-process-logs.txt"; exit $rc ;;
 mismatch)
