@@ -107,6 +107,15 @@ async def _digest(engine: VLLMEngine) -> list[dict[str, str]]:
     return await engine._llm.collective_rpc("arl_param_digest")
 
 
+async def _drop(redis, *runs) -> None:  # type: ignore[no-untyped-def]
+    """The tests' own keys deleted (each run's prefix), the client closed."""
+    for n in runs:
+        keys = [k async for k in redis.scan_iter(match=n.all_key_pattern())]
+        if keys:
+            await redis.delete(*keys)
+    await redis.aclose()
+
+
 @shared_loop
 async def test_logprobs_and_routes_match_a_full_forward(engine: VLLMEngine, model_dirs: tuple[Path, Path]) -> None:
     assert engine.route_mode == "native"
@@ -240,11 +249,7 @@ async def test_weights_over_cuda_ipc_arrive_bit_for_bit(engine: VLLMEngine, engi
         _report("ipc_swap_pause_s", engine.last_swap_pause_s)
         _report("ipc_swap_load_s", engine.last_load_s)
     finally:
-        for n in prefixes:
-            keys = [k async for k in redis.scan_iter(match=n.all_key_pattern())]
-            if keys:
-                await redis.delete(*keys)
-        await redis.aclose()
+        await _drop(redis, *prefixes)
 
 
 @shared_loop
@@ -301,10 +306,7 @@ async def _check_copies_during_swaps(engine: VLLMEngine, engine_b: VLLMEngine, s
         assert not failed, failed
         assert await _digest(engine) == await _digest(engine_b)
     finally:
-        keys = [k async for k in redis.scan_iter(match=names.all_key_pattern())]
-        if keys:
-            await redis.delete(*keys)
-        await redis.aclose()
+        await _drop(redis, names)
 
 
 @shared_loop
@@ -360,10 +362,7 @@ async def test_the_engine_core_follows_versions_bit_for_bit(engine: VLLMEngine, 
     finally:
         await follow.close()
         await control.close()
-        keys = [k async for k in redis.scan_iter(match=names.all_key_pattern())]
-        if keys:
-            await redis.delete(*keys)
-        await redis.aclose()
+        await _drop(redis, names)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -412,7 +411,4 @@ async def test_tensor_parallel_2_takes_host_and_ipc_versions(model_dirs: tuple[P
     finally:
         await tp.close()
         await fresh_b.close()
-        keys = [k async for k in redis.scan_iter(match=names.all_key_pattern())]
-        if keys:
-            await redis.delete(*keys)
-        await redis.aclose()
+        await _drop(redis, names)
