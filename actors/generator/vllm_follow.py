@@ -7,11 +7,15 @@ and a version went through it three times (its announcement, the copy's answer, 
 of a one-GPU engine lives (vLLM's ``UniProcExecutor``): it hears the learner's announcements on NATS, takes a GPU
 version's lease and copies it from the learner's buffers into the worker's staging slots on a stream of its own
 while the engine core keeps decoding (``arl_copy_ipc``), or fetches a host version, checks it, and marks it ready.
-The scheduler takes a ready version at its next step (:meth:`CoreFollower.apply_ready`, called before each
-``schedule``): the in-place load queued on the steps' stream and the steps labelled from then on, as
-``vllm.swap="boundary"`` does, with no request from anywhere. The generator's process asks only for a report
-(:meth:`CoreFollower.report`, a utility call at each heartbeat). An idle engine core runs no step: a ready version
-is then applied from vLLM's idle callbacks, in the core's thread, the core woken for it.
+A version marked ready goes into use at once, from the follower's thread: its in-place load queued on the stream the
+steps run on, after the steps launched so far, and the steps scheduled from then on labelled with it, as
+``vllm.swap="boundary"`` does between two steps, with no request from anywhere and no wait for the core's next step
+(on two H200s that wait was 3-19 ms a version, p50 13). Only while the core is between a step's ``schedule`` and the
+return of its ``execute_model`` (the step labelled, its forward and logits not yet queued) is the version left for
+the core to load when the launch returns (:meth:`CoreFollower.launched`); the follower's lock orders the two threads.
+Sampling reads the logits only; prompt logprobs and a speculative drafter, which the generator never asks for, would
+read the weights after that. The generator's process asks only for a report (:meth:`CoreFollower.report`, a utility
+call at each heartbeat).
 
 The engine core's methods ``arl_follow_start``, ``arl_follow_report`` and ``arl_follow_stop`` (:func:`start`,
 :func:`report`, :func:`stop`) are given to vLLM's ``EngineCore`` by :func:`actors.generator.vllm_swap.install`. The
@@ -95,10 +99,15 @@ class CoreFollower:
         self.worker = core.model_executor.driver_worker.worker  # UniProcExecutor: this process's one worker
         self.cfg = from_dict(GeneratorConfig, cfg)
         self.lock = threading.Lock()
-        """Held while the worker's staging changes: a copy (the follower's thread), a load (the core's)."""
+        """Held while the worker's staging changes: a copy, a load. The core's thread never waits for it (a copy holds
+        it for its whole length): it loads only where it gets it at once, else the follower's thread does."""
+        self._state = threading.Lock()
+        """Guards the version ready, the launch window and the records; taken after :attr:`lock`, held briefly."""
         self.ready: int | None = None
-        self._idle_armed = False
-        """A callback of vLLM's idle ones is waiting to apply a ready version (the core may be idle)."""
+        self._launching = False
+        """The core is between a step's ``schedule`` and the return of its ``execute_model``: no load then."""
+        self._steps_stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+        """The stream the core's steps run on (this is made in the core's thread, by :func:`start`)."""
         self.applied = -1
         self.error: str | None = None
         self.last_load_error: str | None = None
@@ -163,9 +172,12 @@ class CoreFollower:
         if self._device is not None:
             torch.cuda.set_device(self._device)
         _, stream = self.worker._arl_ipc or self.worker._arl_copy_path()
-        with self.lock, torch.cuda.stream(stream):
-            result = self.worker.arl_copy_ipc(manifest.encode(), manifest.version)
-            stream.synchronize()
+        try:
+            with self.lock, torch.cuda.stream(stream):
+                result = self.worker.arl_copy_ipc(manifest.encode(), manifest.version)
+                stream.synchronize()
+        finally:
+            self._apply_waiting()  # a version the core could not load while this copy held the staging
         return result
 
     def stage_host(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
@@ -181,40 +193,58 @@ class CoreFollower:
         self.mark_ready(version)
 
     def mark_ready(self, version: int) -> None:
-        """``version`` goes into use before the next step, or at once where the core is idle (its idle callbacks,
-        after a wake-up request: it may be waiting for one)."""
-        with self.lock:
+        """``version`` goes into use now, or when the step being launched is (module docstring)."""
+        with self._state:
             if self.ready is None or version > self.ready:
                 self.ready = version
             self._ready_at[version] = time.perf_counter()
-            armed, self._idle_armed = self._idle_armed, True
-        if not armed:  # one callback at a time: a core busy for hours would gather one a version
-            self.core._idle_state_callbacks.append(self._on_idle)
-        from vllm.v1.engine import EngineCoreRequestType
+        self._apply_waiting()
 
-        self.core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
-
-    def _on_idle(self, core: Any) -> None:
-        with self.lock:
-            self._idle_armed = False
-        self.apply_ready(core.scheduler)
+    def _apply_waiting(self) -> None:
+        """The follower's side: the version ready loaded now, unless a step is being launched."""
+        with self.lock, self._state:
+            if not self._launching:
+                self._apply(self.core.scheduler)
 
     # ------------------------------------------------------------------ the engine core's thread
-    def apply_ready(self, scheduler: Any) -> None:
-        """Between steps: a ready version's load queued on the steps' stream, the steps from now on labelled."""
-        if self.ready is None:
+    def before_schedule(self, scheduler: Any) -> None:
+        """A step is being scheduled: a version ready now is loaded before it, which it labels; none until launched."""
+        with self._state:
+            self._launching = True
+        self._apply_if_free(scheduler)
+
+    def launched(self) -> None:
+        """The step's forward and logits are queued: a version made ready meanwhile is loaded after them. (vLLM calls
+        ``execute_model`` after every ``schedule``; were it not, the versions would wait for the next step.)"""
+        with self._state:
+            self._launching = False
+        self._apply_if_free(self.core.scheduler)
+
+    def _apply_if_free(self, scheduler: Any) -> None:
+        if self.ready is None or not self.lock.acquire(blocking=False):  # a copy under way: its version comes next
             return
-        with self.lock:
-            version, self.ready = self.ready, None
-            if version is None or version <= self.applied:
-                return
-            try:
+        try:
+            with self._state:
+                self._apply(scheduler)
+        finally:
+            self.lock.release()
+
+    def _apply(self, scheduler: Any) -> None:
+        """The ready version's load queued on the steps' stream, the steps from now on labelled (both locks held)."""
+        version, self.ready = self.ready, None
+        if version is None or version <= self.applied:
+            return
+        try:
+            if self._steps_stream is not None:
+                with torch.cuda.stream(self._steps_stream):
+                    r = self.worker.arl_apply_ordered(version)
+            else:
                 r = self.worker.arl_apply_ordered(version)
-            except Exception as exc:  # the old weights stay; the sync's next version may load
-                self.failures += 1
-                self.last_load_error = f"version {version}: {exc!r}"
-                log.exception("could not load weight version %d; version %d stays in use", version, self.applied)
-                return
+        except Exception as exc:  # the old weights stay; the sync's next version may load
+            self.failures += 1
+            self.last_load_error = f"version {version}: {exc!r}"
+            log.exception("could not load weight version %d; version %d stays in use", version, self.applied)
+            return
         scheduler.arl_relabel(str(version))
         self.applied = version
         self.swaps = [*self.swaps[-(KEPT - 1):], (version, time.time())]
@@ -234,9 +264,10 @@ class CoreFollower:
         state."""
         sync = self._sync
         taken = dict(sync.taken_at) if sync is not None else {}
-        swaps, self.swaps = self.swaps, []
-        pauses, self.pauses = self.pauses, []
-        versions, self.versions = self.versions, []
+        with self._state:
+            swaps, self.swaps = self.swaps, []
+            pauses, self.pauses = self.pauses, []
+            versions, self.versions = self.versions, []
         return {
             "version": self.applied, "swaps": swaps, "pauses": pauses, "versions": versions,
             "staged_latencies": sync.take_staged_latencies() if sync is not None else [],
@@ -268,6 +299,17 @@ def start(core: Any, cfg: dict[str, Any]) -> bool:
         raise RuntimeError(f"vllm.follow='core' needs vLLM's worker in the engine core's process "
                            f"(UniProcExecutor), not {type(executor).__name__}")  # fmt: skip
     FOLLOWER = CoreFollower(core, cfg)
+    if not getattr(executor, "_arl_launch_noted", False):  # the step's launch ends the window of no loads
+        launch = executor.execute_model
+
+        def execute_model(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                if FOLLOWER is not None:
+                    FOLLOWER.launched()
+
+        executor.execute_model, executor._arl_launch_noted = execute_model, True
     FOLLOWER.thread.start()
     return True
 

@@ -99,7 +99,7 @@ class StepLabels:
         follow = sys.modules.get("actors.generator.vllm_follow")  # imported where an engine core follows versions
         follower = None if follow is None else follow.FOLLOWER
         if follower is not None:
-            follower.apply_ready(self)  # a version it has ready: loaded before this step, which it labels
+            follower.before_schedule(self)  # a version it has ready: loaded before this step, which it labels
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         stamps = self.__dict__.setdefault("_arl_stamps", {})
         stamps[id(out)] = (out, self.__dict__.get("_arl_label", "-1"))  # the object kept: its id stays its own

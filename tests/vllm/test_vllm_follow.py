@@ -1,10 +1,10 @@
 """The engine core's follower (actors/generator/vllm_follow.py) between its thread and the core's: versions marked
-ready, applied before a step or from vLLM's idle callbacks, a load that fails. The core and its worker are stand-ins
-with what the follower uses of them; a real engine core follows versions in test_vllm_generator.py."""
+ready loaded at once or after the step being launched, never waiting for the staging in the core's thread, a load
+that fails, each version's record. The core and its worker are stand-ins with what the follower uses of them; a real
+engine core follows versions in test_vllm_generator.py."""
 
 from __future__ import annotations
 
-import queue
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,43 +39,59 @@ class _Scheduler:
 
 def _follower(worker: _Worker) -> tuple[CoreFollower, Any]:
     core = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)),
-                           _idle_state_callbacks=[], input_queue=queue.Queue(), scheduler=_Scheduler())  # fmt: skip
+                           scheduler=_Scheduler())  # fmt: skip
     return CoreFollower(core, to_dict(GeneratorConfig(engine="vllm"))), core
 
 
-def test_the_newest_ready_version_is_applied_once_from_the_idle_callback() -> None:
+def test_a_version_marked_ready_is_loaded_at_once_unless_a_step_is_being_launched() -> None:
     worker = _Worker()
     f, core = _follower(worker)
-    f.mark_ready(1)
-    f.mark_ready(2)  # before the core ran: one callback armed, two wake-ups
-    assert len(core._idle_state_callbacks) == 1 and core.input_queue.qsize() == 2
-    core._idle_state_callbacks.pop()(core)
-    assert worker.loaded == [2] and core.scheduler.labels == ["2"] and f.applied == 2
-    f.apply_ready(core.scheduler)  # the next step finds nothing ready
-    f.mark_ready(2)  # not newer than the version in use
-    f.apply_ready(core.scheduler)
-    assert worker.loaded == [2]
-    f.mark_ready(3)  # a busy core: applied before its next step; the armed callback finds nothing left
-    f.apply_ready(core.scheduler)
-    core._idle_state_callbacks.pop()(core)
-    assert worker.loaded == [2, 3] and core.scheduler.labels == ["2", "3"]
+    f.mark_ready(1)  # an idle core, or one waiting for its GPU: loaded now, from the follower's thread
+    assert worker.loaded == [1] and core.scheduler.labels == ["1"] and f.applied == 1
+    f.before_schedule(core.scheduler)  # a step is being scheduled and launched: nothing loads under it
+    f.mark_ready(2)
+    f.mark_ready(3)
+    assert worker.loaded == [1] and core.scheduler.labels == ["1"]
+    f.launched()  # its forward and logits queued: the newest version ready loads after them, once
+    assert worker.loaded == [1, 3] and core.scheduler.labels == ["1", "3"] and f.applied == 3
+    f.before_schedule(core.scheduler)
+    f.launched()  # nothing ready
+    f.mark_ready(3)  # not newer than the version in use
+    assert worker.loaded == [1, 3]
     r = f.report()
-    assert [v for v, _ in r["swaps"]] == [2, 3] and r["pauses"] == [0.004] and r["version"] == 3
+    assert [v for v, _ in r["swaps"]] == [1, 3] and r["pauses"] == [0.004] and r["version"] == 3
     assert f.report()["swaps"] == []  # taken
+
+
+def test_a_version_waiting_for_the_staging_is_loaded_before_the_next_step_or_after_the_copy() -> None:
+    """The core's thread never waits for the staging lock (a copy holds it for its whole length)."""
+    worker = _Worker()
+    f, core = _follower(worker)
+    f.before_schedule(core.scheduler)
+    f.mark_ready(1)
+    with f.lock:  # a copy under way when the step's launch returns: the core goes on without loading
+        f.launched()
+        assert worker.loaded == []
+    f.before_schedule(core.scheduler)  # loaded before the next step, which it labels
+    assert worker.loaded == [1] and core.scheduler.labels == ["1"]
+    f.launched()
+    f.before_schedule(core.scheduler)
+    f.mark_ready(2)
+    with f.lock:
+        f.launched()
+    f._apply_waiting()  # as the copy's end does, in the follower's thread: an idle core would wait for no step
+    assert worker.loaded == [1, 2]
 
 
 def test_a_load_that_fails_keeps_the_old_weights_and_is_reported() -> None:
     worker = _Worker(fail={2})
     f, core = _follower(worker)
     f.mark_ready(1)
-    f.apply_ready(core.scheduler)
     f.mark_ready(2)
-    f.apply_ready(core.scheduler)
     assert f.applied == 1 and core.scheduler.labels == ["1"]
     r = f.report()
     assert r["failures"] == 1 and "version 2" in r["load_error"] and r["version"] == 1
     f.mark_ready(3)  # the next version loads
-    f.apply_ready(core.scheduler)
     assert f.applied == 3 and worker.loaded == [1, 3]
 
 
@@ -94,12 +110,13 @@ async def test_each_version_in_use_is_reported_once_with_its_copy_and_logged_by_
         "sums": [7], "copied_at": 1.0, "s": 0.031, "copy_s": 0.022, "prepare_s": 0.006, "load": "replay"}, f)
     stage = CoreStage(f)
     for v in (1, 2, 3):
+        if v == 2:  # version 2 is made ready while a step is launched, then overtaken by 3: one line, for 3
+            f.before_schedule(core.scheduler)
         await stage._copy(SimpleNamespace(version=v))
         stage.stage_copied(v)
-        if v != 2:  # version 2 is overtaken by 3 before a step: one line, for 3
-            f.apply_ready(core.scheduler)
+        if v == 3:
+            f.launched()
     f.mark_ready(4)  # a host version (stage_host): ready with no copy
-    f.apply_ready(core.scheduler)
     r = f.report()
     assert [v["version"] for v in r["versions"]] == [1, 3, 4] and f.report()["versions"] == []
     assert r["versions"][1]["copy"]["copy_s"] == 0.022 and r["versions"][2]["copy"] is None
