@@ -75,11 +75,17 @@ def prepare_engine_processes(on_cuda: bool, worker_in_core: bool = False) -> Non
     explicit choice stays. ``worker_in_core``: the one worker runs in the engine core's process (``UniProcExecutor``,
     for ``vllm.follow="core"``), which vLLM's CPU platform turns into a worker process of its own unless
     ``VLLM_ENABLE_V1_MULTIPROCESSING`` is 0 (its reason: OpenMP's thread placement; ``AsyncLLM`` itself starts its
-    engine core process either way)."""
+    engine core process either way), and with vLLM's V1 model runner (:mod:`.vllm_follow`: the step's window)."""
     if on_cuda:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     elif worker_in_core:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if worker_in_core:  # the follower loads between a step's launch and its sampling, which must not read weights
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
+            raise ValueError("vllm.follow='core' needs vLLM's V1 model runner, which computes a step's logits in "
+                             "execute_model (the V2 one does in sample_tokens, after a load the follower may have "
+                             "queued): unset VLLM_USE_V2_MODEL_RUNNER, or use vllm.follow='front'")  # fmt: skip
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # vLLM's default for dense models is the V2 one
     os.environ.setdefault("VLLM_MSGPACK_ZERO_COPY_THRESHOLD", INLINE_ALL_ARRAYS)
 
 

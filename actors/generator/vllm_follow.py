@@ -65,9 +65,10 @@ class CoreStage:
         t0 = time.perf_counter()
         result = await asyncio.to_thread(self.follower.copy_here, manifest)
         copied = copies_agree([result], manifest.version)
-        self.follower.copies[manifest.version] = {
-            "s": time.perf_counter() - t0, "worker_s": result["s"], "copy_s": result["copy_s"],
-            "prepare_s": result["prepare_s"], "load": result["load"]}  # fmt: skip
+        with self.follower._state:  # the core's thread may be loading, which drops the records it passed
+            self.follower.copies[manifest.version] = {
+                "s": time.perf_counter() - t0, "worker_s": result["s"], "copy_s": result["copy_s"],
+                "prepare_s": result["prepare_s"], "load": result["load"]}  # fmt: skip
         return copied
 
     def stage_copied(self, version: int) -> None:
@@ -106,8 +107,12 @@ class CoreFollower:
         self.ready: int | None = None
         self._launching = False
         """The core is between a step's ``schedule`` and the return of its ``execute_model``: no load then."""
-        self._steps_stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
-        """The stream the core's steps run on (this is made in the core's thread, by :func:`start`)."""
+        self._steps_stream = None
+        """The stream the core's steps run on (this is made in the core's thread, by :func:`start`: vLLM's own)."""
+        if torch.cuda.is_available():
+            from actors.generator.vllm_worker import steps_stream
+
+            self._steps_stream = steps_stream()
         self.applied = -1
         self.error: str | None = None
         self.last_load_error: str | None = None
@@ -201,10 +206,15 @@ class CoreFollower:
         self._apply_waiting()
 
     def _apply_waiting(self) -> None:
-        """The follower's side: the version ready loaded now, unless a step is being launched."""
-        with self.lock, self._state:
-            if not self._launching:
-                self._apply(self.core.scheduler)
+        """The follower's side: the version ready loaded now, unless a step is being launched. Again if that launch
+        returned meanwhile: the core found the staging lock held by this thread and left the version to it."""
+        while True:
+            with self.lock, self._state:
+                if not self._launching:
+                    self._apply(self.core.scheduler)
+            with self._state:
+                if self.ready is None or self._launching:
+                    return
 
     # ------------------------------------------------------------------ the engine core's thread
     def before_schedule(self, scheduler: Any) -> None:

@@ -84,7 +84,8 @@ def forget_gone(kept: dict[str, Any], requests: dict[str, Any]) -> None:
 
 class StepLabels:
     """Mixed in before vLLM's scheduler class (module docstring). :meth:`arl_relabel` is called by the engine core's
-    swap (:func:`~actors.generator.vllm_swap.arl_swap_boundary`) in the core's own thread, between steps."""
+    swap (:func:`~actors.generator.vllm_swap.arl_swap_boundary`) in the core's own thread, between steps, or by the
+    engine core's follower (:mod:`.vllm_follow`), in its thread too, never between a step's schedule and launch."""
 
     _arl_label: str
     _arl_stamps: dict[int, tuple[Any, str]]

@@ -393,14 +393,15 @@ class ArlWorkerExtension:
             self._arl_reprocess_moe()
             s = time.perf_counter() - t0
             return {"s": s, "gpu_s": s if gpu_s is None and not torch.cuda.is_available() else gpu_s}
+        stream = steps_stream()
         if item.slot < 0:  # a host version's own tensors, maybe made on another stream (vllm_follow.py): freed after
-            stream = torch.cuda.current_stream()  # the load, their memory must wait for this stream
-            for _, t in item.named:
+            for _, t in item.named:  # the load, their memory must wait for this stream
                 t.record_stream(stream)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        apply(item.bound)
-        end.record()
+        with torch.cuda.stream(stream):
+            start.record()
+            apply(item.bound)
+            end.record()
         self._arl_read = (item, end)  # its buffers stay referenced until a copy after it waited for the load
         if self._arl_load_timed is None:
             self._arl_load_timed = (start, end)
@@ -440,3 +441,12 @@ class ArlWorkerExtension:
                 fused = getattr(kernel, "fused_experts", None)
                 if fused is not None:
                     fused.process_weights_after_loading(experts)
+
+
+def steps_stream() -> Any:
+    """The stream this thread's steps run on, as vLLM picks it (``vllm.utils.torch_utils.current_stream``: on CUDA a
+    stream of its own per thread, made at its first call, not the default stream): where the engine is eager, a load
+    before the first step would otherwise go to the default stream, which that new stream does not wait for."""
+    from vllm.utils.torch_utils import current_stream
+
+    return current_stream()

@@ -136,3 +136,57 @@ async def test_each_version_in_use_is_reported_once_with_its_copy_and_logged_by_
     lines = [rec.getMessage() for rec in caplog.records]
     assert len(lines) == 3 and lines[2].startswith("vLLM engine core: version 4 staged from the host, in use")
     assert "version 3 copied from the learner's GPU in" in lines[1] and "copy and checksums 0.022" in lines[1]
+
+
+def test_the_follower_runs_with_vllms_v1_model_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's V2 model runner (its default for dense models) computes a step's logits in sample_tokens, after a load
+    the follower may queue once the step's execute_model returned: the follower's engine runs the V1 one, and a user's
+    explicit V2 is refused, naming both ways out."""
+    import os
+
+    from actors.generator.vllm_compat import prepare_engine_processes
+
+    for key in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_MSGPACK_ZERO_COPY_THRESHOLD"):
+        monkeypatch.setenv(key, "x")  # recorded: what prepare_engine_processes sets is undone after
+        monkeypatch.delenv(key)
+    prepare_engine_processes(on_cuda=False, worker_in_core=True)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="V1 model runner.*unset VLLM_USE_V2_MODEL_RUNNER, or use vllm.follow='front'"):
+        prepare_engine_processes(on_cuda=False, worker_in_core=True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    prepare_engine_processes(on_cuda=False)  # the front end's follower: vLLM's choice stays
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
+def test_a_launch_that_returned_while_the_follower_held_the_staging_leaves_the_version_to_it() -> None:
+    """The core's thread found the staging lock taken as its launch returned (the follower was just looking at the
+    launch window): the follower, on letting the lock go, loads the version itself; none stays ready for good."""
+    import threading
+
+    worker = _Worker()
+    f, core = _follower(worker)
+    f.before_schedule(core.scheduler)
+    seen, go_on = threading.Event(), threading.Event()
+    real_state = f._state
+
+    class _Watched:  # the follower's second look at the window waits until the core's launch has returned
+        def __enter__(self) -> None:
+            real_state.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            real_state.release()
+            if threading.current_thread() is not threading.main_thread() and not seen.is_set():
+                seen.set()
+                go_on.wait(5)
+
+    f._state = _Watched()  # type: ignore[assignment]
+    f.ready = 1
+    t = threading.Thread(target=f._apply_waiting)
+    t.start()
+    assert seen.wait(5)  # the follower holds the staging lock and saw the step being launched
+    f.launched()  # the core: the window ends, the staging lock is taken: it goes on
+    assert worker.loaded == []
+    go_on.set()
+    t.join(5)
+    assert worker.loaded == [1] and f.ready is None
