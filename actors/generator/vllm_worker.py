@@ -445,8 +445,13 @@ class ArlWorkerExtension:
 
 def steps_stream() -> Any:
     """The stream this thread's steps run on, as vLLM picks it (``vllm.utils.torch_utils.current_stream``: on CUDA a
-    stream of its own per thread, made at its first call, not the default stream): where the engine is eager, a load
-    before the first step would otherwise go to the default stream, which that new stream does not wait for."""
+    stream of its own per thread, made and set current at its first call, not the default stream): where the engine
+    is eager, a load before that call would otherwise go to the default stream, which the new stream does not wait
+    for. Made here, it waits for the work queued so far (vLLM 0.32 does that itself, 0.25.1 does not)."""
     from vllm.utils.torch_utils import current_stream
 
-    return current_stream()
+    before = torch.cuda.current_stream()
+    stream = current_stream()
+    if stream != before:
+        stream.wait_stream(before)
+    return stream
