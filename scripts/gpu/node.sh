@@ -13,7 +13,8 @@
 # Writes OUT/node-<gpu>x4-moe-5b-megatron-vllm-<date>.json (bench loop's summary: learner_nproc, generator_engine,
 # learner_idle_frac, generator_idle_frac, learner_ and generator_tokens_per_s_per_gpu, version_to_applied_s),
 # OUT/node.log (bench loop's output) and OUT/node-process-logs.txt (the tail of each process's log, then every
-# "vLLM engine: version" line of the generators, "vLLM engine core: version" with vllm.follow=core: each swap's breakdown).
+# "vLLM engine: version" line of the generators, "vLLM engine core: version" with vllm.follow=core: each swap's
+# breakdown).
 # The learner's micro-batches hold up to NODE_MICRO_BATCH_TOKENS=65536 padded tokens (half on each data-parallel
 # rank): a step's 256 sequences of about 135 tokens (~36k padded) in one. At EP=2 a micro-batch of moe-5b has a cost
 # that hardly shrinks with its size (24 layers, each with the MoE all-to-all's host syncs, in the forward and the
@@ -117,11 +118,12 @@ done > "$out/node-process-logs.txt"
 grep -h "vLLM engine\( core\)\?: version" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
 grep -H "Avg generation throughput" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
 whole_tracebacks "$run_dir"/*.log >> "$out/node-process-logs.txt"
-grep -H "^\(\[rank[0-9]*\]:\)\?async-rl [a-z-]*: " "$run_dir"/*.log >> "$out/node-process-logs.txt"  # why a role stopped
+# why a role stopped, in its own words
+grep -H "^\(\[rank[0-9]*\]:\)\?async-rl [a-z-]*: " "$run_dir"/*.log >> "$out/node-process-logs.txt"
 tail -40 "$out/node-process-logs.txt"
-# The final checkpoint of moe-5b (parameters and Adam's state in fp32: ~60 GB) stays behind otherwise: a second run on
-# the same machine (two H200s, 128 GiB of disk) had its learner exit 1 at its last step, when it writes its own, with
-# no traceback (2026-11-28; its line was not kept then: the grep above keeps it now).
+# The final checkpoint of moe-5b (bf16 weights, their fp32 copy and Adam's two moments: ~70 GB) stays behind
+# otherwise: a second run on the same machine (two H200s, 128 GiB of disk) had its learner exit 1 at its last step,
+# when it writes its own, with no traceback (2026-11-28; its line was not kept then: the grep above keeps it now).
 rm -rf "$run_dir/checkpoints"
 python3 - "$json" <<'PY' || true
 import json, sys
