@@ -16,6 +16,7 @@ import time
 from typing import Any, NamedTuple
 
 from actors.generator.config import GeneratorConfig
+from actors.generator.vllm_worker_copies import describe_copy
 from async_rl.config.configurable import to_dict
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,4 @@ def _s(seconds: float | None) -> str:
 
 def _copied(c: dict[str, Any] | None) -> str:
     """A version's copy, as the engine's own line in the front-end mode says it."""
-    if c is None:
-        return "staged from the host"
-    return (f"copied from the learner's GPU in {c['s']:.3f} s (in the worker {c['worker_s']:.3f}: copy and checksums "
-            f"{c['copy_s']:.3f}, views {c['prepare_s']:.3f}; loads by {c['load']})")
+    return "staged from the host" if c is None else describe_copy(c["total_s"], c)

@@ -52,7 +52,7 @@ from actors.generator.vllm_requests import check_prompts, request_params
 from actors.generator.vllm_step_labels import CoreSpans
 from actors.generator.vllm_swap import SWAPS
 from actors.generator.vllm_weights import CheckpointWeights
-from actors.generator.vllm_worker_copies import copies_agree
+from actors.generator.vllm_worker_copies import copies_agree, describe_copy
 from actors.generator.weight_handover import pack_weights
 from async_rl.model.token_mask import MASKED_LOGIT, masked_token_ids
 from async_rl.weights.gpu.reader import RemoteCopied, RemoteCopy
@@ -337,9 +337,7 @@ class VLLMEngine(Engine):
         copied = copies_agree(results, manifest.version)
         self.last_stage_s = time.perf_counter() - t0
         r = results[0]
-        log.info("vLLM engine: version %d copied from the learner's GPU in %.3f s (in the worker %.3f: copy and "
-                 "checksums %.3f, views %.3f; loads by %s)", manifest.version, self.last_stage_s, r["s"], r["copy_s"],
-                 r["prepare_s"], r["load"])  # fmt: skip
+        log.info("vLLM engine: version %d %s", manifest.version, describe_copy(self.last_stage_s, r))
         return copied
 
     async def core_call(self, method: str, *args: Any) -> Any:

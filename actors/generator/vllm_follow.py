@@ -66,9 +66,8 @@ class CoreStage:
         result = await asyncio.to_thread(self.follower.copy_here, manifest)
         copied = copies_agree([result], manifest.version)
         with self.follower._state:  # the core's thread may be loading, which drops the records it passed
-            self.follower.copies[manifest.version] = {
-                "s": time.perf_counter() - t0, "worker_s": result["s"], "copy_s": result["copy_s"],
-                "prepare_s": result["prepare_s"], "load": result["load"]}  # fmt: skip
+            self.follower.copies[manifest.version] = {"total_s": time.perf_counter() - t0, "s": result["s"],
+                                                      **{k: result[k] for k in ("copy_s", "prepare_s", "load")}}
         return copied
 
     def stage_copied(self, version: int) -> None:
@@ -119,7 +118,8 @@ class CoreFollower:
         self.swaps: list[tuple[int, float]] = []
         self.pauses: list[float] = []
         self.copies: dict[int, dict[str, Any]] = {}
-        """Each GPU version's copy, by version (:meth:`CoreStage._copy`): its seconds and the worker's breakdown."""
+        """Each GPU version's copy, by version (:meth:`CoreStage._copy`): its seconds (``total_s``) and the worker's
+        breakdown, as its answer to ``arl_copy_ipc`` has it."""
         self._ready_at: dict[int, float] = {}
         self.versions: list[dict[str, Any]] = []
         """Each version put in use since the last report: its copy, its wait from ready to the load, the load."""
@@ -245,10 +245,7 @@ class CoreFollower:
         if version is None or version <= self.applied:
             return
         try:
-            if self._steps_stream is not None:
-                with torch.cuda.stream(self._steps_stream):
-                    r = self.worker.arl_apply_ordered(version)
-            else:
+            with torch.cuda.stream(self._steps_stream):  # None (no CUDA): no stream to set
                 r = self.worker.arl_apply_ordered(version)
         except Exception as exc:  # the old weights stay; the sync's next version may load
             self.failures += 1
