@@ -118,12 +118,11 @@ done > "$out/node-process-logs.txt"
 grep -h "vLLM engine\( core\)\?: version" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
 grep -H "Avg generation throughput" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
 whole_tracebacks "$run_dir"/*.log >> "$out/node-process-logs.txt"
-# why a role stopped, in its own words
-grep -H "^\(\[rank[0-9]*\]:\)\?async-rl [a-z-]*: " "$run_dir"/*.log >> "$out/node-process-logs.txt"
 tail -40 "$out/node-process-logs.txt"
 # The final checkpoint of moe-5b (bf16 weights, their fp32 copy and Adam's two moments: ~70 GB) stays behind
 # otherwise: a second run on the same machine (two H200s, 128 GiB of disk) had its learner exit 1 at its last step,
-# when it writes its own, with no traceback (2026-11-28; its line was not kept then: the grep above keeps it now).
+# when it writes its own, with no traceback (2026-11-28; its line was not kept then: the summary's exit_lines, printed
+# below, keeps it now).
 rm -rf "$run_dir/checkpoints"
 python3 - "$json" <<'PY' || true
 import json, sys
