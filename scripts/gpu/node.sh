@@ -10,11 +10,11 @@
 # the versions itself, or NODE_GENERATOR="vllm.swap=pause": the swap before 2026-11-28). The generators write the
 # preset once into /root/arl-presets (vllm.work_dir): a second run on the same machine skips the ~80 s of building
 # moe-5b's random weights on the CPU.
-# Writes OUT/node-<gpu>x4-moe-5b-megatron-vllm-<date>.json (bench loop's summary: learner_nproc, generator_engine,
-# learner_idle_frac, generator_idle_frac, learner_ and generator_tokens_per_s_per_gpu, version_to_applied_s),
-# OUT/node.log (bench loop's output) and OUT/node-process-logs.txt (the tail of each process's log, then every
-# "vLLM engine: version" line of the generators, "vLLM engine core: version" with vllm.follow=core: each swap's
-# breakdown).
+# Writes OUT/node-<gpu>x4-moe-5b-megatron-vllm<-NODE_TAG>-<date>.json (bench loop's summary: learner_nproc,
+# generator_engine, learner_idle_frac, generator_idle_frac, learner_ and generator_tokens_per_s_per_gpu,
+# version_to_applied_s), OUT/node<-NODE_TAG>.log (bench loop's output) and OUT/node<-NODE_TAG>-process-logs.txt (the
+# tail of each process's log, then every "vLLM engine: version" line of the generators, "vLLM engine core: version"
+# with vllm.follow=core: each swap's breakdown).
 # The learner's micro-batches hold up to NODE_MICRO_BATCH_TOKENS=65536 padded tokens (half on each data-parallel
 # rank): a step's 256 sequences of about 135 tokens (~36k padded) in one. At EP=2 a micro-batch of moe-5b has a cost
 # that hardly shrinks with its size (24 layers, each with the MoE all-to-all's host syncs, in the forward and the
@@ -69,7 +69,8 @@ model=${NODE_MODEL:-moe-5b}
 extra=()  # NODE_LEARNER / NODE_GENERATOR: more overrides, space-separated key=value
 for kv in ${NODE_LEARNER:-}; do extra+=(--learner "$kv"); done
 for kv in ${NODE_GENERATOR:-}; do extra+=(--generator "$kv"); done
-json="$out/node-$gpu-$model-megatron-vllm-$day.json"
+tag=${NODE_TAG:+-$NODE_TAG}  # NODE_TAG goes into the names of what a run writes (two runs, one OUT)
+json="$out/node-$gpu-$model-megatron-vllm$tag-$day.json"
 staleness=${NODE_STALENESS:-4}
 batch_prompts=${NODE_GEN_BATCH_PROMPTS:-16}
 batches=${NODE_GEN_BATCHES:-4}
@@ -106,19 +107,19 @@ timeout ${NODE_TIMEOUT:-540} python3 -m actors.commands bench loop --model "$mod
     --generator vllm.max_batch_prompts=$batch_prompts --generator batches_in_flight=$batches \
     --generator vllm.max_num_seqs=$seqs --generator vllm.engine_args.disable_log_stats=false \
     --generator vllm.work_dir=/root/arl-presets \
-    "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node.log" 2>&1
+    "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node$tag.log" 2>&1
 rc=$?
 touch "$run_dir.ended"; wait  # the profile, if one is under way
-tail -5 "$out/node.log"
+tail -5 "$out/node$tag.log"
 for f in "$run_dir"/*.log; do  # each log's first and last lines (start-up, then how it ended), the noise left out
     grep -v " DEBUG \|main_grad.dtype\|vLLM engine\( core\)\?: version\|warnings.warn\|Avg generation throughput" "$f" \
         > /tmp/node-log-part
     echo "== $f"; head -25 /tmp/node-log-part; echo "..."; tail -35 /tmp/node-log-part
-done > "$out/node-process-logs.txt"
-grep -h "vLLM engine\( core\)\?: version" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
-grep -H "Avg generation throughput" "$run_dir"/generator-*.log >> "$out/node-process-logs.txt"
-whole_tracebacks "$run_dir"/*.log >> "$out/node-process-logs.txt"
-tail -40 "$out/node-process-logs.txt"
+done > "$out/node$tag-process-logs.txt"
+grep -h "vLLM engine\( core\)\?: version" "$run_dir"/generator-*.log >> "$out/node$tag-process-logs.txt"
+grep -H "Avg generation throughput" "$run_dir"/generator-*.log >> "$out/node$tag-process-logs.txt"
+whole_tracebacks "$run_dir"/*.log >> "$out/node$tag-process-logs.txt"
+tail -40 "$out/node$tag-process-logs.txt"
 # The final checkpoint of moe-5b (bf16 weights, their fp32 copy and Adam's two moments: ~70 GB) stays behind
 # otherwise: a second run on the same machine (two H200s, 128 GiB of disk) had its learner exit 1 at its last step,
 # when it writes its own, with no traceback (2026-11-28; its line was not kept then: the summary's exit_lines, printed

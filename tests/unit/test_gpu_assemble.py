@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from async_rl.weights.gpu.reader import assemble
+from async_rl.weights.gpu.reader import assemble, assemble_bucket, pieces_by_bucket
 from async_rl.weights.manifest import BucketEntry, Manifest, ManifestTensor, PieceEntry
 
 CPU = torch.device("cpu")
@@ -63,3 +63,19 @@ def test_owned_tensors_take_the_next_version_in_place_and_leave_the_buckets_free
         assert again[name] is kept[name]
         assert torch.equal(kept[name], want), name
         assert views[name].item() == want.reshape(-1)[0].item(), f"{name}: a view of the kept tensor is stale"
+
+
+def test_a_version_assembled_bucket_by_bucket_as_its_buckets_arrive() -> None:
+    manifest, values = _version()
+    kept = assemble(manifest, _buckets(values), CPU, own=True)
+    nxt = {name: v + 100 for name, v in values.items()}
+    by_bucket = pieces_by_bucket(manifest)
+    assert {b: [(t.name, i) for t, i in pieces] for b, pieces in by_bucket.items()} == {
+        0: [("embed", 0), ("experts", 0)], 1: [("experts", 1), ("scale", 0)]}  # fmt: skip
+    b0, b1 = _buckets(nxt)
+    assemble_bucket(by_bucket[1], b1, kept)  # rank 1's bucket first: only its pieces change
+    assert torch.equal(kept["experts"][2:], nxt["experts"][2:]) and torch.equal(kept["scale"], nxt["scale"])
+    assert torch.equal(kept["experts"][:2], values["experts"][:2]) and torch.equal(kept["embed"], values["embed"])
+    assemble_bucket(by_bucket[0], b0, kept)
+    for name, want in nxt.items():
+        assert torch.equal(kept[name], want), name
