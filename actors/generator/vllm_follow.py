@@ -259,7 +259,8 @@ class CoreFollower:
             self.pauses = [*self.pauses[-(KEPT - 1):], float(r["gpu_s"])]
         ready_at = self._ready_at.get(version)
         self.versions = [*self.versions[-(KEPT - 1):], {
-            "version": version, "copy": self.copies.get(version), "gpu_s": r["gpu_s"],
+            "version": version, "copy": self.copies.get(version), "gpu_s": r["gpu_s"], "call_s": r["s"],
+            "by": "core" if threading.current_thread() is not self.thread else "follower",
             "waited_s": None if ready_at is None else time.perf_counter() - ready_at}]  # fmt: skip
         for kept in (self.copies, self._ready_at):  # this version's and the ones it overtook
             for v in [v for v in kept if v <= version]:

@@ -199,6 +199,8 @@ class ArlWorkerExtension:
         self._arl_plan: LoadPlan | None = None
         self._arl_slots: dict[int, _Slot] = {}
         self._arl_receive: tuple[tuple, list[torch.Tensor]] | None = None
+        self._arl_assembly: dict[int, Any] = {}
+        """Slot -> the :class:`~async_rl.weights.gpu.reader.BucketAssembly` from the shared buckets into its tensors."""
         self._arl_read: tuple[Any, torch.cuda.Event] | None = None
         self._arl_load_timed: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         info: dict[str, Any] = {"num_layers": 0, "top_k": 0}
@@ -306,7 +308,7 @@ class ArlWorkerExtension:
         took 8-13 ms to assemble after the copies on four H200s, p50 11). A version with any other tensor of its
         own (a conversion that had to copy) is converted, checked and bound again each time."""
         from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
-        from async_rl.weights.gpu.reader import assemble, assemble_bucket, copy_buckets, pieces_by_bucket
+        from async_rl.weights.gpu.reader import BucketAssembly, assemble, copy_buckets
         from async_rl.weights.manifest import Manifest
 
         t0 = time.perf_counter()
@@ -325,14 +327,19 @@ class ArlWorkerExtension:
         if pieced:
             receive = self._arl_receive
             into = receive[1] if receive is not None and receive[0] == layout else None
+            if into is None:  # new shared buckets: the assemblies' views are of the old ones
+                self._arl_assembly.clear()
+                into = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in m.buckets]
         else:
             into = None if same is None else same.buffers
+            self._arl_assembly.clear()
         steady = same is not None and same.views and same.plan is self._arl_plan
         then = None
         if steady and pieced:  # each bucket's pieces into the slot's tensors as it arrives, beside the other copies
-            assert same is not None
-            by_bucket, kept_tensors = pieces_by_bucket(m), same.assembled
-            then = lambda b, bucket: assemble_bucket(by_bucket.get(b, []), bucket, kept_tensors)  # noqa: E731
+            assert same is not None and into is not None
+            then = self._arl_assembly.get(slot)
+            if then is None or not then.serves(into, same.assembled):
+                then = self._arl_assembly[slot] = BucketAssembly(m, into, same.assembled)
         self._arl_after(stream)
         try:
             buffers, sums = copy_buckets(m, device, mapper, stream, into=into, then=then)
@@ -346,6 +353,7 @@ class ArlWorkerExtension:
             how = {"load": "replay (staged before)" if same.bound is not None else "reload"}
         else:
             self._arl_slots.pop(slot, None)
+            self._arl_assembly.pop(slot, None)
             full = assemble(m, buffers, device, into=None if same is None else same.assembled, own=pieced)
             assembled = full if pieced else {}
             kept = [] if pieced else buffers

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from async_rl.weights.gpu.reader import assemble, assemble_bucket, pieces_by_bucket
+from async_rl.weights.gpu.reader import BucketAssembly, assemble, pieces_by_bucket
 from async_rl.weights.manifest import BucketEntry, Manifest, ManifestTensor, PieceEntry
 
 CPU = torch.device("cpu")
@@ -72,10 +72,14 @@ def test_a_version_assembled_bucket_by_bucket_as_its_buckets_arrive() -> None:
     by_bucket = pieces_by_bucket(manifest)
     assert {b: [(t.name, i) for t, i in pieces] for b, pieces in by_bucket.items()} == {
         0: [("embed", 0), ("experts", 0)], 1: [("experts", 1), ("scale", 0)]}  # fmt: skip
-    b0, b1 = _buckets(nxt)
-    assemble_bucket(by_bucket[1], b1, kept)  # rank 1's bucket first: only its pieces change
+    received = _buckets(values)  # the buffers the next versions are received into
+    by_bucket_of = BucketAssembly(manifest, received, kept)
+    assert by_bucket_of.serves(received, kept) and not by_bucket_of.serves(_buckets(values), kept)
+    for dst, src in zip(received, _buckets(nxt), strict=True):
+        dst.copy_(src)
+    by_bucket_of(1)  # rank 1's bucket first: only its pieces change
     assert torch.equal(kept["experts"][2:], nxt["experts"][2:]) and torch.equal(kept["scale"], nxt["scale"])
     assert torch.equal(kept["experts"][:2], values["experts"][:2]) and torch.equal(kept["embed"], values["embed"])
-    assemble_bucket(by_bucket[0], b0, kept)
+    by_bucket_of(0)
     for name, want in nxt.items():
         assert torch.equal(kept[name], want), name

@@ -163,10 +163,10 @@ def _bytes_as(bucket: torch.Tensor, t: ManifestTensor, i: int) -> torch.Tensor:
     return bucket[p.offset : p.offset + p.nbytes].view(DTYPES[t.dtype]).view(p.shape(t.shape))
 
 
-def _place(full: torch.Tensor, t: ManifestTensor, i: int, src: torch.Tensor) -> None:
-    """Piece ``i`` of ``t`` (``src``) copied to its place in ``full``."""
+def _place(full: torch.Tensor, t: ManifestTensor, i: int) -> torch.Tensor:
+    """Where piece ``i`` of ``t`` goes in ``full`` (a view)."""
     p = t.pieces[i]
-    (full if t.whole else full.narrow(p.dim, p.start, p.length)).copy_(src)
+    return full if t.whole else full.narrow(p.dim, p.start, p.length)
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -241,13 +241,31 @@ def pieces_by_bucket(manifest: Manifest) -> dict[int, list[tuple[ManifestTensor,
     return out
 
 
-def assemble_bucket(pieces: list[tuple[ManifestTensor, int]], bucket: torch.Tensor,
-                    into: Mapping[str, torch.Tensor]) -> None:  # fmt: skip
-    """The ``pieces`` one bucket holds (:func:`pieces_by_bucket`; its bytes ``bucket``) copied to their places in
-    ``into``'s tensors (those an :func:`assemble` with ``own`` made for this layout), on the current stream: a
-    version assembled bucket by bucket as its buckets arrive (``then`` of :func:`copy_buckets`)."""
-    for t, i in pieces:
-        _place(into[t.name], t, i, _bytes_as(bucket, t, i))
+class BucketAssembly:
+    """Each bucket's pieces copied to their places in tensors that :func:`assemble` with ``own`` made (``into``), as
+    the bucket arrives (``then`` of :func:`copy_buckets`): one batched copy a bucket (``torch._foreach_copy_``), its
+    views of ``buckets`` and ``into`` made once. In a thread beside a busy one (a vLLM engine core's), every torch
+    call from Python lets go of the interpreter's lock and waits for it again: piece by piece, a version of moe-5b
+    was about 3,000 such calls, and its copy took 86 ms against 52 in the engine core's own thread (four H200s)."""
+
+    def __init__(self, manifest: Manifest, buckets: list[torch.Tensor], into: Mapping[str, torch.Tensor]) -> None:
+        self.buckets, self.into = buckets, into
+        self._copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for b, pieces in pieces_by_bucket(manifest).items():
+            dsts, srcs = self._copies.setdefault(b, ([], []))
+            for t, i in pieces:
+                dsts.append(_place(into[t.name], t, i))
+                srcs.append(_bytes_as(buckets[b], t, i))
+
+    def serves(self, buckets: list[torch.Tensor], into: Mapping[str, torch.Tensor]) -> bool:
+        """Made for these very buckets and tensors (the views it holds are theirs)."""
+        return buckets is self.buckets and into is self.into
+
+    def __call__(self, bucket: int, _buffer: torch.Tensor | None = None) -> None:
+        """Bucket ``bucket``'s pieces into their places, on the current stream."""
+        copies = self._copies.get(bucket)
+        if copies is not None:
+            torch._foreach_copy_(*copies)
 
 
 def assemble(manifest: Manifest, buffers: list[torch.Tensor], device: torch.device,
@@ -265,7 +283,7 @@ def assemble(manifest: Manifest, buffers: list[torch.Tensor], device: torch.devi
             assembling = True
             full = into[t.name] if into is not None else torch.empty(t.shape, dtype=DTYPES[t.dtype], device=device)
             for i in range(len(t.pieces)):
-                _place(full, t, i, _piece(buffers, t, i))
+                _place(full, t, i).copy_(_piece(buffers, t, i))
             out[t.name] = full
         if assembling and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
