@@ -129,6 +129,8 @@ class CoreFollower:
         self._sync: Any = None
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self.thread = threading.Thread(target=self._main, name="arl-follow", daemon=True)
+        self._core_thread = threading.current_thread()
+        """The engine core's (:func:`start` is its utility call, made there)."""
 
     # ------------------------------------------------------------------ the follower's thread
     def _main(self) -> None:
@@ -260,7 +262,7 @@ class CoreFollower:
         ready_at = self._ready_at.get(version)
         self.versions = [*self.versions[-(KEPT - 1):], {
             "version": version, "copy": self.copies.get(version), "gpu_s": r["gpu_s"], "call_s": r["s"],
-            "by": "core" if threading.current_thread() is not self.thread else "follower",
+            "by": "core" if threading.current_thread() is self._core_thread else "follower",
             "waited_s": None if ready_at is None else time.perf_counter() - ready_at}]  # fmt: skip
         for kept in (self.copies, self._ready_at):  # this version's and the ones it overtook
             for v in [v for v in kept if v <= version]:
