@@ -6,8 +6,10 @@
 # The work: the copy task's prompts, every response NODE_NEW_TOKENS=128 tokens long (vllm.stop_on_eos=false: a
 # random-init model's lengths would be noise), 32 prompts x 8 samples a step. NODE_MODEL and NODE_GEN_DEVICES change
 # the model and the generators' GPUs (node_gpus.sh: a two-GPU rehearsal); NODE_LEARNER and NODE_GENERATOR add
-# overrides (e.g. NODE_LEARNER="megatron.recompute=false"; NODE_GENERATOR="vllm.follow=core": the engine core follows
-# the versions itself, or NODE_GENERATOR="vllm.swap=pause": the swap before 2026-11-28). The generators write the
+# overrides (e.g. NODE_LEARNER="megatron.recompute=false"). The generators' engine cores follow the versions themselves
+# (NODE_FOLLOW=core, vllm.follow; since 2026-11-28: in use 0.090 s after the snapshot at p50 against 0.144 with the
+# front end following them, docs/gpus.md); NODE_FOLLOW=front gives the project's default (with it
+# NODE_GENERATOR="vllm.swap=pause" gives the swap before 2026-11-28). The generators write the
 # preset once into /root/arl-presets (vllm.work_dir): a second run on the same machine skips the ~80 s of building
 # moe-5b's random weights on the CPU.
 # Writes OUT/node-<gpu>x4-moe-5b-megatron-vllm<-NODE_TAG>-<date>.json (bench loop's summary: learner_nproc,
@@ -106,7 +108,7 @@ timeout ${NODE_TIMEOUT:-540} python3 -m actors.commands bench loop --model "$mod
     --learner sampling.max_new_tokens=${NODE_NEW_TOKENS:-128} --generator vllm.stop_on_eos=false \
     --generator vllm.max_batch_prompts=$batch_prompts --generator batches_in_flight=$batches \
     --generator vllm.max_num_seqs=$seqs --generator vllm.engine_args.disable_log_stats=false \
-    --generator vllm.work_dir=/root/arl-presets \
+    --generator vllm.work_dir=/root/arl-presets --generator vllm.follow=${NODE_FOLLOW:-core} \
     "${extra[@]}" --json "$json" --run-dir "$run_dir" > "$out/node$tag.log" 2>&1
 rc=$?
 touch "$run_dir.ended"; wait  # the profile, if one is under way
