@@ -45,6 +45,12 @@ from async_rl.weights.reader import (
 )
 from async_rl.weights.signing import run_secret
 
+COPY_PRIORITY = -1
+"""The copy streams' CUDA priority (lower is higher; torch's default is 0): the checksums' and the assembly's kernels
+get the SMs before the blocks of other work queued meanwhile. On a GPU busy with memory-bound work, as a decoding
+generator's is, moe-5b's 10.1 GB took 109 ms to copy, check and assemble at the default priority and 42 at this one
+(28 ms the copy alone, on the copy engines either way; scripts/gpu/copy_costs.py, four H200s)."""
+
 
 @dataclass(frozen=True)
 class RemoteCopied:
@@ -175,7 +181,7 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     multipliers. A vLLM worker's first copy of moe-5b took 0.65-0.98 s against 0.04 s for the next ones; taken
     inside a 2 s lease, such costs made a first version outlast it."""
     local_device("")  # builds this process's table of devices (cached)
-    stream = torch.cuda.Stream(device=device)
+    stream = torch.cuda.Stream(device=device, priority=COPY_PRIORITY)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         int(wsum64(torch.zeros(ALIGN_BYTES, dtype=torch.uint8, device=device)))
     return stream
@@ -184,7 +190,7 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
 @functools.cache
 def _side_stream(device_index: int, k: int) -> torch.cuda.Stream:
     """The ``k``-th extra stream :func:`copy_buckets` copies on, on that device (made once)."""
-    return torch.cuda.Stream(device=device_index)
+    return torch.cuda.Stream(device=device_index, priority=COPY_PRIORITY)
 
 
 def copy_buckets(manifest: Manifest, device: torch.device, mapper: IpcMapper, stream: torch.cuda.Stream,
