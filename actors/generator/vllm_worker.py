@@ -304,9 +304,10 @@ class ArlWorkerExtension:
         several learner ranks publish in pieces is received into buckets both slots share and assembled, every
         tensor, into tensors the slot keeps (one version's memory a slot, plus the shared buckets, instead of the
         buckets and the assembled tensors each), assembled again in place for the next one: bucket by bucket as
-        each arrives, beside the copies still under way (``copy_s`` then counts it; moe-5b's 10.1 GB from two ranks
-        took 8-13 ms to assemble after the copies on four H200s, p50 11). A version with any other tensor of its
-        own (a conversion that had to copy) is converted, checked and bound again each time."""
+        each arrives, beside the copies still under way, one batched copy a bucket (``copy_s`` then counts it;
+        moe-5b's 10.1 GB from two ranks took 8-13 ms to assemble after the copies on four H200s, p50 11). A version
+        with any other tensor of its own (a conversion that had to copy) is converted, checked and bound again each
+        time."""
         from async_rl.weights.gpu.cuda_ipc import IpcUnavailable
         from async_rl.weights.gpu.reader import BucketAssembly, assemble, copy_buckets
         from async_rl.weights.manifest import Manifest

@@ -203,10 +203,11 @@ def copy_buckets(manifest: Manifest, device: torch.device, mapper: IpcMapper, st
     The buckets of each source GPU (a learner rank's) arrive on a stream of their own, side by side: ``stream`` for
     the first, :func:`_side_stream` for the others, each starting after the work queued on ``stream`` so far. (torch
     runs a copy between GPUs on the source GPU's current stream, fenced both ways with the destination's current
-    stream: with one destination stream every copy waited for the one before, and moe-5b's 10.1 GB from two ranks
-    took 35 ms on a decoding H200, about 290 GB/s where the links carry about 450.) Each bucket's checksum is queued
-    after its copy on the same stream, and ``then(i, buffer)`` too where given (what the caller does with a bucket
-    once it is here, e.g. assembling its pieces: on the current stream, beside the other sources' copies)."""
+    stream: on one destination stream every bucket's copy, checksum and assembly waited for the one before.) The
+    copies alone are bound by the destination's links either way (moe-5b's 10.1 GB from two H200s in 28 ms, 390 GB/s:
+    scripts/gpu/copy_costs.py); side by side, one source's checksums and assembly run beside the other's copies. Each
+    bucket's checksum is queued after its copy on the same stream, and ``then(i, buffer)`` too where given (what the
+    caller does with a bucket once it is here, e.g. assembling its pieces: on the current stream)."""
     assert manifest.ipc is not None
     with torch.cuda.device(device), torch.cuda.stream(stream):
         sources = mapper.open_all(manifest.ipc.handles, [b.nbytes for b in manifest.buckets])
@@ -250,9 +251,10 @@ def pieces_by_bucket(manifest: Manifest) -> dict[int, list[tuple[ManifestTensor,
 class BucketAssembly:
     """Each bucket's pieces copied to their places in tensors that :func:`assemble` with ``own`` made (``into``), as
     the bucket arrives (``then`` of :func:`copy_buckets`): one batched copy a bucket (``torch._foreach_copy_``), its
-    views of ``buckets`` and ``into`` made once. In a thread beside a busy one (a vLLM engine core's), every torch
-    call from Python lets go of the interpreter's lock and waits for it again: piece by piece, a version of moe-5b
-    was about 3,000 such calls, and its copy took 86 ms against 52 in the engine core's own thread (four H200s)."""
+    views of ``buckets`` and ``into`` made once. Piece by piece, a version of moe-5b was some 350 kernels and several
+    torch calls each, from a thread beside the vLLM engine core's (each call lets go of the interpreter's lock and
+    waits for it again) onto a GPU that decodes meanwhile (each kernel waits for SMs): its copy took 86 ms, 60 in
+    batches, against 52 from the engine core's own thread while it stood still (four H200s)."""
 
     def __init__(self, manifest: Manifest, buckets: list[torch.Tensor], into: Mapping[str, torch.Tensor]) -> None:
         self.buckets, self.into = buckets, into
