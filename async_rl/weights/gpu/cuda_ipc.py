@@ -38,6 +38,14 @@ can wait that long for the GIL while the training or decode thread launches kern
 snapshot-to-applied times of 90 ms of which the GPU's copies took under 10."""
 
 
+COPY_PRIORITY = -1
+"""The CUDA priority of the GPU path's side streams (lower is higher; torch's default is 0): the learner's snapshot
+into its slots and a reader's copies, with their checksums and assembly, get the SMs before the blocks of other work
+queued meanwhile (training, decoding). On a GPU busy with memory-bound work, as a decoding generator's is, moe-5b's
+10.1 GB took 109 ms to copy, check and assemble at the default priority and 42 at this one (28 ms the copy alone, on
+the copy engines either way; scripts/gpu/copy_costs.py, four H200s)."""
+
+
 def fast_thread_handoffs() -> None:
     """Lower this process's thread switch interval to :data:`GIL_SWITCH_INTERVAL_S` (never raise it)."""
     if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:

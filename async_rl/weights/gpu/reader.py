@@ -33,7 +33,14 @@ import torch
 from async_rl.run.names import Names
 from async_rl.weights.config import ReaderConfig
 from async_rl.weights.gpu.checksum import ALIGN_BYTES, to_unsigned, wsum64
-from async_rl.weights.gpu.cuda_ipc import IpcMapper, IpcUnavailable, fast_thread_handoffs, host_key, local_device
+from async_rl.weights.gpu.cuda_ipc import (
+    COPY_PRIORITY,
+    IpcMapper,
+    IpcUnavailable,
+    fast_thread_handoffs,
+    host_key,
+    local_device,
+)
 from async_rl.weights.gpu.lease import HeldLease
 from async_rl.weights.manifest import DTYPES, Manifest, ManifestTensor
 from async_rl.weights.reader import (
@@ -44,12 +51,6 @@ from async_rl.weights.reader import (
     read_manifest,
 )
 from async_rl.weights.signing import run_secret
-
-COPY_PRIORITY = -1
-"""The copy streams' CUDA priority (lower is higher; torch's default is 0): the checksums' and the assembly's kernels
-get the SMs before the blocks of other work queued meanwhile. On a GPU busy with memory-bound work, as a decoding
-generator's is, moe-5b's 10.1 GB took 109 ms to copy, check and assemble at the default priority and 42 at this one
-(28 ms the copy alone, on the copy engines either way; scripts/gpu/copy_costs.py, four H200s)."""
 
 
 @dataclass(frozen=True)

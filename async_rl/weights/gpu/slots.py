@@ -6,7 +6,8 @@ run, each piece at a 64-byte aligned offset, every bucket padded with zeros to a
 once over CUDA IPC (:mod:`.cuda_ipc`). :meth:`GpuSlots.fill` copies the pieces into a slot:
 
 * on a side stream that first waits for the work already queued on the current stream (the optimizer's last
-  writes), so the training thread never waits on the host;
+  writes), so the training thread never waits on the host; of high priority (``cuda_ipc.COPY_PRIORITY``), so the
+  next step's kernels, queued meanwhile, do not hold its copies and checksums back;
 * the current stream then waits for the copies only (not for the checksums), so the next optimizer step can
   not change a weight before it is copied;
 * the buckets' checksums are computed on the same side stream and copied to pinned host memory; the returned
@@ -26,7 +27,7 @@ from typing import Protocol
 import torch
 
 from async_rl.weights.gpu.checksum import padded, to_unsigned, wsum64
-from async_rl.weights.gpu.cuda_ipc import IpcHandle, export
+from async_rl.weights.gpu.cuda_ipc import COPY_PRIORITY, IpcHandle, export
 from async_rl.weights.manifest import DTYPE_NAMES, BucketEntry, ManifestTensor, PieceEntry, plan_sizes
 from async_rl.weights.snapshot import Piece
 
@@ -284,7 +285,7 @@ class GpuSlots:
             sums = torch.stack([wsum64(b) for b in bufs]) if bufs else torch.zeros(0, dtype=torch.int64)
             return GpuFill(version, slot, taken_at, time.perf_counter() - t0, None, gather(sums) if gather else sums)
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
+            self._stream = torch.cuda.Stream(device=self.device, priority=COPY_PRIORITY)
         stream = self._stream
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)  # after the optimizer's last writes
