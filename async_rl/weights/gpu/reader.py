@@ -195,7 +195,7 @@ def _side_stream(device_index: int, k: int) -> torch.cuda.Stream:
 
 
 def copy_buckets(manifest: Manifest, device: torch.device, mapper: IpcMapper, stream: torch.cuda.Stream,
-                 into: list[torch.Tensor] | None = None, then: Callable[[int, torch.Tensor], None] | None = None,
+                 into: list[torch.Tensor] | None = None, then: Callable[[int], None] | None = None,
                  ) -> tuple[list[torch.Tensor], list[int]]:  # fmt: skip
     """Map, copy into buffers on ``device`` (fresh ones, or ``into``: one per bucket, of its size) and checksum
     every bucket of a GPU-held version; waits once. Returns the buffers and each bucket's wsum64 (for the caller to
@@ -207,8 +207,8 @@ def copy_buckets(manifest: Manifest, device: torch.device, mapper: IpcMapper, st
     stream: on one destination stream every bucket's copy, checksum and assembly waited for the one before.) The
     copies alone are bound by the destination's links either way (moe-5b's 10.1 GB from two H200s in 28 ms, 390 GB/s:
     scripts/gpu/copy_costs.py); side by side, one source's checksums and assembly run beside the other's copies. Each
-    bucket's checksum is queued after its copy on the same stream, and ``then(i, buffer)`` too where given (what the
-    caller does with a bucket once it is here, e.g. assembling its pieces: on the current stream)."""
+    bucket's checksum is queued after its copy on the same stream, and ``then(i)`` too where given (what the caller
+    does with bucket ``i`` once it is here, e.g. assembling its pieces: on the current stream)."""
     assert manifest.ipc is not None
     with torch.cuda.device(device), torch.cuda.stream(stream):
         sources = mapper.open_all(manifest.ipc.handles, [b.nbytes for b in manifest.buckets])
@@ -231,7 +231,7 @@ def copy_buckets(manifest: Manifest, device: torch.device, mapper: IpcMapper, st
                     buffers[i].copy_(sources[i], non_blocking=True)
                     sums[i] = wsum64(buffers[i])
                     if then is not None:
-                        then(i, buffers[i])
+                        then(i)
         for side in streams[1:]:
             stream.wait_stream(side)
         ordered = [sums[i] for i in range(len(buffers))]
@@ -270,7 +270,7 @@ class BucketAssembly:
         """Made for these very buckets and tensors (the views it holds are theirs)."""
         return buckets is self.buckets and into is self.into
 
-    def __call__(self, bucket: int, _buffer: torch.Tensor | None = None) -> None:
+    def __call__(self, bucket: int) -> None:
         """Bucket ``bucket``'s pieces into their places, on the current stream."""
         copies = self._copies.get(bucket)
         if copies is not None:
