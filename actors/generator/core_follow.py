@@ -104,7 +104,7 @@ class CoreFollow:
         for v in r["versions"]:
             log.info("vLLM engine core: version %d %s, in use %s after it was ready (loaded by the %s's thread, its "
                      "call %s; a load %s on the GPU)", v["version"], _copied(v["copy"]), _s(v["waited_s"]),
-                     v.get("by", "?"), _s(v.get("call_s")), _s(v["gpu_s"]))  # fmt: skip
+                     v["by"], _s(v["call_s"]), _s(v["gpu_s"]))  # fmt: skip
         self._staged = [*self._staged, *r["staged_latencies"]][-TAKEN_AT_KEPT:]
         self.wanted_version = max(self.wanted_version, int(r["wanted"]))
         self.staged_version = max(self.staged_version, int(r["staged"]))
